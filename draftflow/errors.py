@@ -1,0 +1,15 @@
+"""The one exception type meant for people: the CLI prints its message without a traceback."""
+
+
+class DraftflowError(Exception):
+    """Something the user can fix: the message says what is wrong, where, and how to fix it."""
+
+
+def where(path, line: int | None = None, field: str | None = None) -> str:
+    """Format a location as `file:line: field` for error messages."""
+    text = str(path)
+    if line is not None:
+        text += f":{line}"
+    if field:
+        text += f": field '{field}'"
+    return text
