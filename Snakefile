@@ -1,0 +1,21 @@
+# draftflow: raw conversations -> EAGLE-3 drafter served by SGLang / vLLM.
+# Logic lives in the draftflow package; rules declare files and call `draftflow <stage>`.
+from snakemake.utils import min_version
+
+min_version("9.19")
+
+
+configfile: "config/config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/target.smk"
+include: "rules/data.smk"
+include: "rules/merge.smk"
+include: "rules/extract.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        final_outputs(),

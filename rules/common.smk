@@ -1,0 +1,212 @@
+# Config validation, paths and input functions shared by every rule.
+import json
+import os
+import sys
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+
+from draftflow.config import (
+    ConfigError,
+    default_aux_layer_ids,
+    enabled_datasets,
+    validate_config,
+)
+
+try:
+    config.update(validate_config(config))
+except ConfigError as e:
+    raise WorkflowError(str(e)) from None
+
+# How rules call the package. Under --sdm conda the env's python runs it from this
+# checkout (PYTHONPATH); otherwise the interpreter running Snakemake does, so an
+# un-activated virtualenv works too.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (workflow.basedir, os.environ.get("PYTHONPATH")) if p
+)
+_conda = "conda" in {str(m).lower() for m in workflow.deployment_settings.deployment_method}
+DRAFTFLOW = ("python" if _conda else sys.executable) + " -m draftflow.cli"
+CONDA_ENV = "../envs/draftflow.yaml"
+
+RESULTS = config["results"]
+LOGS = f"{RESULTS}/logs"
+BENCH = f"{RESULTS}/benchmarks"
+STATE = f"{RESULTS}/state"
+BUILTIN_TARGET = "builtin:tiny-llama"
+
+
+wildcard_constraints:
+    dataset=r"[A-Za-z0-9][A-Za-z0-9_-]*",
+    shard=r"\d+",
+    split=r"train|eval",
+    start=r"\d+",
+    end=r"\d+",
+
+
+def as_settings(value) -> str:
+    """A config subtree as the JSON a stage reads; params compare by repr, so keep it canonical."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def existing(path) -> list:
+    """An external input, declared only when present: dry-runs of configs whose data is
+    not there yet still plan every job, and the stage itself reports a missing file."""
+    return [path] if Path(path).exists() else []
+
+
+# ---- target -------------------------------------------------------------------------
+
+
+def target_dir() -> str:
+    model = config["target"]["model"]
+    return f"{RESULTS}/target" if model == BUILTIN_TARGET else model
+
+
+def tokenizer_dir() -> str:
+    return config["target"]["tokenizer"] or target_dir()
+
+
+def target_input() -> list:
+    if config["target"]["model"] == BUILTIN_TARGET:
+        return [f"{RESULTS}/target"]
+    return existing(config["target"]["model"])
+
+
+def tokenizer_input() -> list:
+    if config["target"]["tokenizer"]:
+        return existing(config["target"]["tokenizer"])
+    return target_input()
+
+
+# ---- datasets ------------------------------------------------------------------------
+
+DATASETS = enabled_datasets(config)
+# Keys that shape a dataset's shards; weight and max_merged only matter to merge.
+PREPARE_KEYS = ("path", "format", "split", "shards", "max_samples", "on_error", "regenerate")
+
+
+def dataset_config(name: str) -> dict:
+    return config["datasets"][name]
+
+
+def prepare_settings(name: str) -> dict:
+    return {key: dataset_config(name)[key] for key in PREPARE_KEYS}
+
+
+def shard_ids(name: str) -> list[int]:
+    return list(range(dataset_config(name)["shards"]))
+
+
+def prepared_shard(dataset, shard) -> str:
+    return f"{RESULTS}/datasets/{dataset}/shard-{shard}.jsonl.zst"
+
+
+def conversation_shard(wildcards) -> str:
+    """Tokenize reads the regenerated shard when the dataset asks for regeneration."""
+    if dataset_config(wildcards.dataset)["regenerate"]:
+        return f"{RESULTS}/regenerated/{wildcards.dataset}/shard-{wildcards.shard}.jsonl.zst"
+    return prepared_shard(wildcards.dataset, wildcards.shard)
+
+
+def tokenized_shards() -> dict[str, list[str]]:
+    return {
+        name: [f"{RESULTS}/tokenized/{name}/shard-{i}.jsonl.zst" for i in shard_ids(name)]
+        for name in DATASETS
+    }
+
+
+def merge_input_args(wildcards, input) -> str:
+    """`--input NAME=FILE` pairs, in config order and shard order."""
+    pairs = []
+    for name, files in tokenized_shards().items():
+        pairs += [f"--input {name}={file}" for file in files]
+    return " ".join(pairs)
+
+
+def merge_settings() -> dict:
+    per_dataset = {
+        name: {"weight": dataset_config(name)["weight"], "max_merged": dataset_config(name)["max_merged"]}
+        for name in DATASETS
+    }
+    return {**config["merge"], "datasets": per_dataset}
+
+
+# ---- ranges (data-dependent: read from merge's manifest) --------------------------------
+
+
+def manifest() -> dict:
+    """The merge checkpoint's manifest; raises IncompleteCheckpointException until merge ran."""
+    with open(checkpoints.merge.get().output.manifest) as f:
+        return json.load(f)
+
+
+def ranges(split: str) -> list[dict]:
+    return manifest()["ranges"][split]
+
+
+def range_dirs(split: str) -> list[str]:
+    return [f"{RESULTS}/hidden_states/{split}/{r['name']}" for r in ranges(split)]
+
+
+def range_of(wildcards) -> dict:
+    name = f"rows_{wildcards.start}-{wildcards.end}"
+    for entry in ranges(wildcards.split):
+        if entry["name"] == name:
+            return entry
+    raise WorkflowError(
+        f"{name} is not in the {wildcards.split} range plan of the merge manifest; "
+        "the merge changed since this target was requested — rerun without naming it."
+    )
+
+
+def target_identity() -> str:
+    """Identity of the target as the capture settings see it (path + config, not weights).
+    The builtin target is defined by its build settings, known before it is built."""
+    if config["target"]["model"] == BUILTIN_TARGET:
+        return f"{BUILTIN_TARGET}:{as_settings(config['target']['builtin'])}"
+    path = Path(target_dir())
+    if not (path / "config.json").exists():
+        return f"absent:{path}"  # dry-run of a config whose model is not there yet
+    from draftflow.target import target_identity as identity
+
+    return identity(path)
+
+
+def num_target_layers():
+    """Decoder layers of the target, known without reading it for the builtin target."""
+    if config["target"]["num_hidden_layers"] is not None:
+        return config["target"]["num_hidden_layers"]
+    if config["target"]["model"] == BUILTIN_TARGET:
+        return config["target"]["builtin"]["num_hidden_layers"]
+    if (Path(target_dir()) / "config.json").exists():
+        from draftflow.plan import resolve_model_dims
+
+        return resolve_model_dims(Path(target_dir()), config["target"])[0]
+    return None
+
+
+def extract_settings(wildcards) -> str:
+    """Everything a range's captures depend on, plus the range's own content digest:
+    a range is stale exactly when one of these changes."""
+    settings = dict(config["extract"])
+    settings["aux_layer_ids"] = resolved_aux_layer_ids()
+    settings["target_identity"] = target_identity()
+    settings["range_digest"] = range_of(wildcards)["digest"]
+    return as_settings(settings)
+
+
+def final_outputs() -> list:
+    outputs = [
+        f"{RESULTS}/merged/manifest.json",
+        f"{RESULTS}/merged/storage_plan.json",
+        f"{RESULTS}/hidden_states/data_config.json",
+    ]
+    return outputs
+
+
+def resolved_aux_layer_ids():
+    """Config aux ids, or the default for the target's depth when the target is readable."""
+    if config["extract"]["aux_layer_ids"] is not None:
+        return config["extract"]["aux_layer_ids"]
+    num_layers = num_target_layers()
+    return default_aux_layer_ids(num_layers) if num_layers else None

@@ -1,0 +1,68 @@
+# Hidden states of the target for every merged sample, one job per range of the plan.
+# Samples live in a content-keyed store outside the declared outputs, so a rerun
+# (Snakemake deletes a range folder first) or a re-merge reuses every finished sample.
+
+
+rule preflight:
+    input:
+        plan=f"{RESULTS}/merged/storage_plan.json",
+    output:
+        f"{RESULTS}/hidden_states/preflight.json",
+    params:
+        settings=as_settings({"free_disk_margin": config["extract"]["free_disk_margin"]}),
+        path=f"{RESULTS}/hidden_states",
+    log:
+        f"{LOGS}/preflight.log",
+    conda:
+        CONDA_ENV
+    shell:
+        "{DRAFTFLOW} preflight --plan {input.plan} --path {params.path}"
+        " --settings {params.settings:q} --output {output} > {log} 2>&1"
+
+
+rule extract:
+    input:
+        # ancient: a re-merge rewrites these files, but a range is stale only when its
+        # own samples change, which the range digest in params tracks.
+        records=ancient(f"{RESULTS}/merged/{{split}}.jsonl"),
+        preflight=ancient(f"{RESULTS}/hidden_states/preflight.json"),
+        target=ancient(target_input()),
+    output:
+        directory(f"{RESULTS}/hidden_states/{{split}}/rows_{{start}}-{{end}}"),
+    params:
+        settings=extract_settings,
+        target=target_dir(),
+        store=f"{RESULTS}/hidden_states/store",
+    resources:
+        gpu=config["extract"]["gpus_per_job"],
+    log:
+        f"{LOGS}/extract/{{split}}/rows_{{start}}-{{end}}.log",
+    benchmark:
+        f"{BENCH}/extract/{{split}}/rows_{{start}}-{{end}}.tsv"
+    threads: max(1, workflow.cores // 2)
+    conda:
+        CONDA_ENV
+    shell:
+        "{DRAFTFLOW} extract --input {input.records} --split {wildcards.split}"
+        " --start {wildcards.start} --end {wildcards.end} --target {params.target}"
+        " --store {params.store} --settings {params.settings:q} --output {output}"
+        " > {log} 2>&1"
+
+
+rule summarize_hidden_states:
+    input:
+        train=lambda w: range_dirs("train"),
+        eval=lambda w: range_dirs("eval"),
+    output:
+        data_config=f"{RESULTS}/hidden_states/data_config.json",
+        sample_lengths=f"{RESULTS}/hidden_states/sample_lengths.json",
+    params:
+        out_dir=f"{RESULTS}/hidden_states",
+        max_seq_len=config["merge"]["max_seq_len"],
+    log:
+        f"{LOGS}/summarize_hidden_states.log",
+    conda:
+        CONDA_ENV
+    shell:
+        "{DRAFTFLOW} summarize-hidden-states --ranges {input.train} {input.eval}"
+        " --output-dir {params.out_dir} --max-seq-len {params.max_seq_len} > {log} 2>&1"

@@ -1,0 +1,69 @@
+"""Shared fixtures: a private copy of the workflow to run Snakemake in."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+WORKFLOW_PARTS = ["Snakefile", "rules", "config", "data", "report", "envs", "profiles"]
+
+
+def copy_workflow(dest: Path) -> Path:
+    """Copy the workflow (not results) into `dest`, so a test's runs touch nothing shared."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for part in WORKFLOW_PARTS:
+        src = REPO / part
+        if src.is_dir():
+            shutil.copytree(src, dest / part, dirs_exist_ok=True)
+        elif src.exists():
+            shutil.copy2(src, dest / part)
+    return dest
+
+
+def write_config(workdir: Path, config: dict, name: str = "test.yaml") -> Path:
+    path = workdir / "config" / name
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 1200) -> subprocess.CompletedProcess:
+    """Run the real Snakemake CLI in `workdir` with this interpreter's environment."""
+    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", *args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def planned_jobs(output: str) -> dict[str, list[str]]:
+    """Parse a dry-run's job listing: rule name -> list of 'reason:' lines of its jobs."""
+    jobs: dict[str, list[str]] = {}
+    rule = None
+    for line in output.splitlines():
+        stripped = line.strip()
+        if stripped.startswith(("rule ", "checkpoint ", "localrule ", "localcheckpoint ")) and stripped.endswith(":"):
+            rule = stripped.split()[1].rstrip(":")
+            jobs.setdefault(rule, [])
+        elif rule and stripped.startswith("reason:"):
+            jobs[rule].append(stripped[len("reason:"):].strip())
+    return jobs
+
+
+def load_default_config() -> dict:
+    with open(REPO / "config" / "config.yaml") as f:
+        return yaml.safe_load(f)
+
+
+@pytest.fixture
+def workflow_copy(tmp_path: Path) -> Path:
+    return copy_workflow(tmp_path / "wf")
