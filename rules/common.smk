@@ -18,14 +18,16 @@ try:
 except ConfigError as e:
     raise WorkflowError(str(e)) from None
 
-# How rules call the package. Under --sdm conda the env's python runs it from this
-# checkout (PYTHONPATH); otherwise the interpreter running Snakemake does, so an
-# un-activated virtualenv works too.
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (workflow.basedir, os.environ.get("PYTHONPATH")) if p
-)
-_conda = "conda" in {str(m).lower() for m in workflow.deployment_settings.deployment_method}
-DRAFTFLOW = ("python" if _conda else sys.executable) + " -m draftflow.cli"
+
+# Rules run `draftflow <stage>` through scripts/bin/draftflow, with the package from
+# this checkout and the first python3 on PATH: the interpreter running Snakemake (so an
+# un-activated virtualenv works), or the rule's env under --sdm conda.
+def _prepend(var: str, *paths: str) -> None:
+    os.environ[var] = os.pathsep.join([*paths, *filter(None, [os.environ.get(var)])])
+
+
+_prepend("PATH", f"{workflow.basedir}/scripts/bin", os.path.dirname(sys.executable))
+_prepend("PYTHONPATH", workflow.basedir)
 CONDA_ENV = "../envs/draftflow.yaml"
 
 RESULTS = config["results"]
@@ -82,7 +84,15 @@ def tokenizer_input() -> list:
 
 DATASETS = enabled_datasets(config)
 # Keys that shape a dataset's shards; weight and max_merged only matter to merge.
-PREPARE_KEYS = ("path", "format", "split", "shards", "max_samples", "on_error", "regenerate")
+PREPARE_KEYS = (
+    "path",
+    "format",
+    "split",
+    "shards",
+    "max_samples",
+    "on_error",
+    "regenerate",
+)
 
 
 def dataset_config(name: str) -> dict:
@@ -110,7 +120,9 @@ def conversation_shard(wildcards) -> str:
 
 def tokenized_shards() -> dict[str, list[str]]:
     return {
-        name: [f"{RESULTS}/tokenized/{name}/shard-{i}.jsonl.zst" for i in shard_ids(name)]
+        name: [
+            f"{RESULTS}/tokenized/{name}/shard-{i}.jsonl.zst" for i in shard_ids(name)
+        ]
         for name in DATASETS
     }
 
@@ -125,7 +137,10 @@ def merge_input_args(wildcards, input) -> str:
 
 def merge_settings() -> dict:
     per_dataset = {
-        name: {"weight": dataset_config(name)["weight"], "max_merged": dataset_config(name)["max_merged"]}
+        name: {
+            "weight": dataset_config(name)["weight"],
+            "max_merged": dataset_config(name)["max_merged"],
+        }
         for name in DATASETS
     }
     return {**config["merge"], "datasets": per_dataset}

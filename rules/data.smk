@@ -7,14 +7,14 @@ rule prepare:
     output:
         shard=f"{RESULTS}/datasets/{{dataset}}/shard-{{shard}}.jsonl.zst",
         rejects=f"{RESULTS}/datasets/{{dataset}}/shard-{{shard}}.rejects.jsonl",
-    params:
-        settings=lambda w: as_settings(prepare_settings(w.dataset)),
     log:
         f"{LOGS}/prepare/{{dataset}}/shard-{{shard}}.log",
     conda:
         CONDA_ENV
+    params:
+        settings=lambda w: as_settings(prepare_settings(w.dataset)),
     shell:
-        "{DRAFTFLOW} prepare --dataset {wildcards.dataset} --shard {wildcards.shard}"
+        "draftflow prepare --dataset {wildcards.dataset} --shard {wildcards.shard}"
         " --settings {params.settings:q} --output {output.shard} --rejects {output.rejects}"
         " > {log} 2>&1"
 
@@ -25,19 +25,19 @@ rule regenerate:
         target=target_input(),
     output:
         f"{RESULTS}/regenerated/{{dataset}}/shard-{{shard}}.jsonl.zst",
-    params:
-        settings=as_settings(config["regenerate"]),
-        target=target_dir(),
-        state=f"{STATE}/regenerate",
     log:
         f"{LOGS}/regenerate/{{dataset}}/shard-{{shard}}.log",
     benchmark:
         f"{BENCH}/regenerate/{{dataset}}/shard-{{shard}}.tsv"
-    threads: workflow.cores
     conda:
         CONDA_ENV
+    threads: workflow.cores
+    params:
+        settings=as_settings(config["regenerate"]),
+        target=lambda w: target_dir(),
+        state=f"{STATE}/regenerate",
     shell:
-        "{DRAFTFLOW} regenerate --dataset {wildcards.dataset} --input {input.shard}"
+        "draftflow regenerate --dataset {wildcards.dataset} --input {input.shard}"
         " --target {params.target} --settings {params.settings:q}"
         " --state-dir {params.state} --output {output} > {log} 2>&1"
 
@@ -48,15 +48,18 @@ rule tokenize:
         tokenizer=tokenizer_input(),
     output:
         f"{RESULTS}/tokenized/{{dataset}}/shard-{{shard}}.jsonl.zst",
-    params:
-        settings=as_settings(
-            {**config["tokenize"], "trust_remote_code": config["target"]["trust_remote_code"]}
-        ),
-        tokenizer=tokenizer_dir(),
     log:
         f"{LOGS}/tokenize/{{dataset}}/shard-{{shard}}.log",
     conda:
         CONDA_ENV
+    params:
+        settings=as_settings(
+            {
+                **config["tokenize"],
+                "trust_remote_code": config["target"]["trust_remote_code"],
+            }
+        ),
+        tokenizer=lambda w: tokenizer_dir(),
     shell:
-        "{DRAFTFLOW} tokenize --input {input.shard} --tokenizer {params.tokenizer}"
+        "draftflow tokenize --input {input.shard} --tokenizer {params.tokenizer}"
         " --settings {params.settings:q} --output {output} > {log} 2>&1"

@@ -8,15 +8,17 @@ rule preflight:
         plan=f"{RESULTS}/merged/storage_plan.json",
     output:
         f"{RESULTS}/hidden_states/preflight.json",
-    params:
-        settings=as_settings({"free_disk_margin": config["extract"]["free_disk_margin"]}),
-        path=f"{RESULTS}/hidden_states",
     log:
         f"{LOGS}/preflight.log",
     conda:
         CONDA_ENV
+    params:
+        settings=as_settings(
+            {"free_disk_margin": config["extract"]["free_disk_margin"]}
+        ),
+        path=lambda w, output: os.path.dirname(output[0]),
     shell:
-        "{DRAFTFLOW} preflight --plan {input.plan} --path {params.path}"
+        "draftflow preflight --plan {input.plan} --path {params.path}"
         " --settings {params.settings:q} --output {output} > {log} 2>&1"
 
 
@@ -29,21 +31,21 @@ rule extract:
         target=ancient(target_input()),
     output:
         directory(f"{RESULTS}/hidden_states/{{split}}/rows_{{start}}-{{end}}"),
-    params:
-        settings=extract_settings,
-        target=target_dir(),
-        store=f"{RESULTS}/hidden_states/store",
-    resources:
-        gpu=config["extract"]["gpus_per_job"],
     log:
         f"{LOGS}/extract/{{split}}/rows_{{start}}-{{end}}.log",
     benchmark:
         f"{BENCH}/extract/{{split}}/rows_{{start}}-{{end}}.tsv"
-    threads: max(1, workflow.cores // 2)
     conda:
         CONDA_ENV
+    threads: max(1, workflow.cores // 2)
+    resources:
+        gpu=config["extract"]["gpus_per_job"],
+    params:
+        settings=extract_settings,
+        target=lambda w: target_dir(),
+        store=f"{RESULTS}/hidden_states/store",
     shell:
-        "{DRAFTFLOW} extract --input {input.records} --split {wildcards.split}"
+        "draftflow extract --input {input.records} --split {wildcards.split}"
         " --start {wildcards.start} --end {wildcards.end} --target {params.target}"
         " --store {params.store} --settings {params.settings:q} --output {output}"
         " > {log} 2>&1"
@@ -56,13 +58,13 @@ rule summarize_hidden_states:
     output:
         data_config=f"{RESULTS}/hidden_states/data_config.json",
         sample_lengths=f"{RESULTS}/hidden_states/sample_lengths.json",
-    params:
-        out_dir=f"{RESULTS}/hidden_states",
-        max_seq_len=config["merge"]["max_seq_len"],
     log:
         f"{LOGS}/summarize_hidden_states.log",
     conda:
         CONDA_ENV
+    params:
+        out_dir=lambda w, output: os.path.dirname(output.data_config),
+        max_seq_len=config["merge"]["max_seq_len"],
     shell:
-        "{DRAFTFLOW} summarize-hidden-states --ranges {input.train} {input.eval}"
+        "draftflow summarize-hidden-states --ranges {input.train} {input.eval}"
         " --output-dir {params.out_dir} --max-seq-len {params.max_seq_len} > {log} 2>&1"

@@ -13,18 +13,18 @@ checkpoint merge:
             caption="../report/dataset_stats.rst",
             category="1. Data",
         ),
-    params:
-        settings=as_settings(merge_settings()),
-        inputs=merge_input_args,
-        out_dir=f"{RESULTS}/merged",
     log:
         f"{LOGS}/merge.log",
     benchmark:
         f"{BENCH}/merge.tsv"
     conda:
         CONDA_ENV
+    params:
+        settings=as_settings(merge_settings()),
+        inputs=merge_input_args,
+        out_dir=lambda w, output: os.path.dirname(output.manifest),
     shell:
-        "{DRAFTFLOW} merge {params.inputs} --settings {params.settings:q}"
+        "draftflow merge {params.inputs} --settings {params.settings:q}"
         " --out-dir {params.out_dir} > {log} 2>&1"
 
 
@@ -36,21 +36,23 @@ rule plan_storage:
         target=target_input(),
     output:
         f"{RESULTS}/merged/storage_plan.json",
+    log:
+        f"{LOGS}/plan_storage.log",
+    conda:
+        CONDA_ENV
     params:
         settings=lambda w: as_settings(
             {
                 "aux_layer_ids": resolved_aux_layer_ids(),
                 "dtype": config["extract"]["dtype"],
-                "expected_compression_ratio": config["extract"]["expected_compression_ratio"],
+                "expected_compression_ratio": config["extract"][
+                    "expected_compression_ratio"
+                ],
                 "hidden_size": config["target"]["hidden_size"],
                 "num_hidden_layers": config["target"]["num_hidden_layers"],
             }
         ),
-        target=target_dir(),
-    log:
-        f"{LOGS}/plan_storage.log",
-    conda:
-        CONDA_ENV
+        target=lambda w: target_dir(),
     shell:
-        "{DRAFTFLOW} plan-storage --manifest {input.manifest} --target {params.target}"
+        "draftflow plan-storage --manifest {input.manifest} --target {params.target}"
         " --settings {params.settings:q} --output {output} > {log} 2>&1"

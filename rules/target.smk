@@ -4,14 +4,14 @@
 rule build_target:
     output:
         directory(f"{RESULTS}/target"),
-    params:
-        settings=as_settings(config["target"]["builtin"]),
     log:
         f"{LOGS}/build_target.log",
     benchmark:
         f"{BENCH}/build_target.tsv"
-    threads: workflow.cores
     conda:
         CONDA_ENV
+    threads: workflow.cores
+    params:
+        settings=as_settings(config["target"]["builtin"]),
     shell:
-        "{DRAFTFLOW} build-target --settings {params.settings:q} --output {output} > {log} 2>&1"
+        "draftflow build-target --settings {params.settings:q} --output {output} > {log} 2>&1"
