@@ -5,7 +5,11 @@ from snakemake.utils import min_version
 min_version("9.19")
 
 
-configfile: "config/config.yaml"
+# The embedded default, unless a config is given: Snakemake would otherwise merge
+# a user's --configfile into it (and keep the default's sample datasets).
+if not workflow.config_settings.configfiles:
+
+    configfile: "config/config.yaml"
 
 
 include: "rules/common.smk"

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
+from draftflow.errors import DraftflowError
 from draftflow.config import (
     ConfigError,
     default_aux_layer_ids,
@@ -220,8 +221,13 @@ def final_outputs() -> list:
 
 
 def resolved_aux_layer_ids():
-    """Config aux ids, or the default for the target's depth when the target is readable."""
-    if config["extract"]["aux_layer_ids"] is not None:
-        return config["extract"]["aux_layer_ids"]
+    """Config aux ids (checked against the target's depth when known), or the default."""
+    from draftflow.plan import resolve_aux_layer_ids
+
     num_layers = num_target_layers()
-    return default_aux_layer_ids(num_layers) if num_layers else None
+    if num_layers is None:
+        return config["extract"]["aux_layer_ids"]
+    try:
+        return resolve_aux_layer_ids(config["extract"]["aux_layer_ids"], num_layers)
+    except DraftflowError as e:
+        raise WorkflowError(f"extract.aux_layer_ids: {e}") from None

@@ -1,0 +1,81 @@
+"""The Kimi-K2.5 example at full scale: once merge has produced 37,312 training samples,
+the plan fans out to 19 extraction ranges of 2,000 samples, each asking for 8 GPUs.
+Upstream files are fabricated (the user's data and model are not here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import yaml
+
+from conftest import REPO, copy_workflow, planned_jobs, snakemake, write_config
+from draftflow.config import enabled_datasets, load_config
+
+TRAIN_SAMPLES = 37_312
+EVAL_SAMPLES = 377
+
+
+def _ranges(total: int, per_range: int) -> list[dict]:
+    return [
+        {
+            "name": f"rows_{start}-{min(start + per_range, total)}",
+            "start": start,
+            "end": min(start + per_range, total),
+            "samples": min(start + per_range, total) - start,
+            "tokens": 0,
+            "digest": f"fabricated-{start}",
+        }
+        for start in range(0, total, per_range)
+    ]
+
+
+def _fabricate_upstream(results: Path, config: dict) -> None:
+    """Write every file up to merge, oldest first, so Snakemake sees them as up to date."""
+    stamp = time.time() - 1000
+
+    def touch(path: Path, text: str = "") -> None:
+        nonlocal stamp
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        os.utime(path, (stamp, stamp))
+        stamp += 1
+
+    datasets = enabled_datasets(config)
+    for stage in ("datasets", "regenerated", "tokenized"):
+        for name in datasets:
+            if stage == "regenerated" and not config["datasets"][name]["regenerate"]:
+                continue
+            for shard in range(config["datasets"][name]["shards"]):
+                touch(results / stage / name / f"shard-{shard}.jsonl.zst")
+                if stage == "datasets":
+                    touch(results / stage / name / f"shard-{shard}.rejects.jsonl")
+    per_range = config["merge"]["samples_per_range"]
+    manifest = {"ranges": {"train": _ranges(TRAIN_SAMPLES, per_range), "eval": _ranges(EVAL_SAMPLES, per_range)}}
+    for name in ("train.jsonl", "eval.jsonl", "stats.csv"):
+        touch(results / "merged" / name)
+    touch(results / "merged" / "manifest.json", json.dumps(manifest))
+
+
+def test_kimi_plan_fans_out_to_19_gpu_range_jobs(tmp_path):
+    workdir = copy_workflow(tmp_path / "wf")
+    config = yaml.safe_load((REPO / "config" / "examples" / "kimi-k2.5.yaml").read_text())
+    config["results"] = str(tmp_path / "results")
+    write_config(workdir, config)
+    _fabricate_upstream(tmp_path / "results", load_config(workdir / "config" / "test.yaml"))
+
+    started = time.monotonic()
+    # As on the 8-GPU host the example is for (this machine has none to count).
+    proc = snakemake(workdir, "-n", "--configfile", "config/test.yaml", "--resources", "gpu=8")
+    elapsed = time.monotonic() - started
+
+    jobs = planned_jobs(proc.stdout)
+    train_ranges = [line for line in proc.stdout.splitlines() if "hidden_states/train/rows_" in line and "output:" in line]
+    assert len(train_ranges) == 19, proc.stdout[-3000:]
+    assert "rows_36000-37312" in proc.stdout
+    assert len(jobs["extract"]) == 19 + 1  # plus the one eval range
+    gpu_lines = [line for line in proc.stdout.splitlines() if line.strip().startswith("resources:") and "gpu=8" in line]
+    assert len(gpu_lines) == 20
+    assert elapsed < 60, f"planning took {elapsed:.1f} s"

@@ -1,0 +1,125 @@
+"""The workflow as Snakemake sees it: dry-runs of every shipped config, lint, format,
+and which jobs a config change makes stale (read from Snakemake's own dry-run reasons)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, copy_workflow, load_default_config, planned_jobs, snakemake, write_config
+from draftflow.config import enabled_datasets, load_config
+
+EXAMPLES = sorted((REPO / "config" / "examples").glob("*.yaml"))
+
+
+def _expected_shard_jobs(config: dict) -> int:
+    return sum(config["datasets"][name]["shards"] for name in enabled_datasets(config))
+
+
+def test_dry_run_default_plans_one_job_per_shard(workflow_copy):
+    proc = snakemake(workflow_copy, "-n")
+    jobs = planned_jobs(proc.stdout)
+    config = load_config(workflow_copy / "config" / "config.yaml")
+    assert len(jobs["prepare"]) == _expected_shard_jobs(config)
+    assert len(jobs["tokenize"]) == _expected_shard_jobs(config)
+    regenerated = [n for n in enabled_datasets(config) if config["datasets"][n]["regenerate"]]
+    assert len(jobs["regenerate"]) == sum(config["datasets"][n]["shards"] for n in regenerated)
+    assert len(jobs["build_target"]) == 1 and len(jobs["merge"]) == 1
+    assert not (workflow_copy / "results").exists(), "a dry-run must not touch data"
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_dry_run_examples_with_absent_data(workflow_copy, example):
+    config = load_config(example)
+    proc = snakemake(workflow_copy, "-n", "--configfile", f"config/examples/{example.name}")
+    jobs = planned_jobs(proc.stdout)
+    assert len(jobs["prepare"]) == _expected_shard_jobs(config)
+    assert "build_target" not in jobs, "a local model needs no build"
+    if config["extract"]["engine"] == "sglang":
+        assert config["extract"]["tensor_parallel"] == 8
+    assert not Path(config["results"]).exists()
+
+
+def test_disabled_dataset_is_not_planned(workflow_copy):
+    proc = snakemake(workflow_copy, "-n", "--configfile", "config/examples/kimi-k2.5.yaml")
+    assert "A1_deepswekimi" not in proc.stdout
+    assert "A2_kimik25" in proc.stdout
+
+
+def test_lint_is_clean(workflow_copy):
+    proc = snakemake(workflow_copy, "--lint")
+    assert "Lints for" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_rules_are_snakefmt_formatted():
+    snakefmt = shutil.which("snakefmt", path=str(Path(sys.executable).parent))
+    assert snakefmt, "snakefmt is a test dependency (pyproject [test])"
+    files = [str(REPO / "Snakefile"), *map(str, sorted((REPO / "rules").glob("*.smk")))]
+    proc = subprocess.run([snakefmt, "--check", *files], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_invalid_config_fails_before_planning(workflow_copy):
+    config = load_default_config()
+    config["datasets"]["chat"]["shards"] = 0
+    write_config(workflow_copy, config)
+    proc = snakemake(workflow_copy, "-n", "--configfile", "config/test.yaml", check=False)
+    assert proc.returncode != 0
+    assert "datasets.chat.shards" in proc.stdout + proc.stderr
+
+
+# ---- rerun reasons after a real run through merge ------------------------------------
+
+
+def small_config() -> dict:
+    """The default, shrunk so a real run through merge takes seconds."""
+    config = load_default_config()
+    config["target"]["builtin"] = {"train_steps": 20}
+    for dataset in config["datasets"].values():
+        dataset["max_samples"] = 12
+    config["regenerate"]["max_new_tokens"] = 8
+    return config
+
+
+@pytest.fixture(scope="module")
+def merged_workflow(tmp_path_factory):
+    workdir = copy_workflow(tmp_path_factory.mktemp("merged") / "wf")
+    write_config(workdir, small_config())
+    snakemake(workdir, "--configfile", "config/test.yaml", "results/merged/manifest.json")
+    return workdir
+
+
+def _dry_run_after(workdir: Path, config: dict) -> dict[str, list[str]]:
+    write_config(workdir, config, "changed.yaml")
+    proc = snakemake(workdir, "-n", "--configfile", "config/changed.yaml", "results/merged/manifest.json")
+    return planned_jobs(proc.stdout)
+
+
+def test_nothing_to_do_after_a_run(merged_workflow):
+    jobs = _dry_run_after(merged_workflow, small_config())
+    assert jobs == {}, f"an unchanged config must plan no jobs, got {jobs}"
+
+
+def test_merge_seed_reruns_merge_only(merged_workflow):
+    config = small_config()
+    config["merge"]["seed"] = 7
+    jobs = _dry_run_after(merged_workflow, config)
+    assert set(jobs) == {"merge"}, jobs
+    assert any("Params have changed" in reason for reason in jobs["merge"])
+
+
+def test_one_dataset_change_reruns_its_shards_and_merge(merged_workflow):
+    config = small_config()
+    config["datasets"]["chat"]["max_samples"] = 10
+    jobs = _dry_run_after(merged_workflow, config)
+    chat_shards = config["datasets"]["chat"]["shards"]
+    assert set(jobs) == {"prepare", "tokenize", "merge"}, jobs
+    assert len(jobs["prepare"]) == chat_shards
+    assert all("Params have changed" in reason for reason in jobs["prepare"])
+    assert len(jobs["tokenize"]) == chat_shards
+    assert all("chat" in reason for reason in jobs["tokenize"])
