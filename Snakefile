@@ -17,6 +17,7 @@ include: "rules/target.smk"
 include: "rules/data.smk"
 include: "rules/merge.smk"
 include: "rules/extract.smk"
+include: "rules/train.smk"
 
 
 rule all:

@@ -32,6 +32,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "convert": ("draftflow.interop", "import/export SpecForge and speculators hidden-state files"),
     "vocab": ("draftflow.vocab", "build the draft vocabulary (d2t / t2d)"),
     "train": ("draftflow.train", "train the EAGLE-3 drafter"),
+    "launch-train": ("draftflow.launch", "run `draftflow train` under torchrun (one node or SLURM)"),
     "evaluate": ("draftflow.evaluate", "measure acceptance length"),
     "export": ("draftflow.export", "export the drafter for SGLang and vLLM"),
     "import-drafter": ("draftflow.export", "import a SpecForge / SGLang-format EAGLE-3 drafter"),

@@ -216,6 +216,7 @@ def final_outputs() -> list:
         f"{RESULTS}/merged/manifest.json",
         f"{RESULTS}/merged/storage_plan.json",
         f"{RESULTS}/hidden_states/data_config.json",
+        f"{RESULTS}/drafter",
     ]
     return outputs
 
@@ -231,3 +232,7 @@ def resolved_aux_layer_ids():
         return resolve_aux_layer_ids(config["extract"]["aux_layer_ids"], num_layers)
     except DraftflowError as e:
         raise WorkflowError(f"extract.aux_layer_ids: {e}") from None
+
+
+def train_settings() -> dict:
+    return {**config["train"], "aux_layer_ids": resolved_aux_layer_ids()}
