@@ -1,0 +1,208 @@
+"""Extraction throughput: does writing hidden states keep up with the GPU?
+
+Builds a Llama-3.1-8B-shaped model with random bf16 weights directly on the device (no
+download), then measures in one run, on the same model and batch shape:
+
+  (a) forward-only throughput (tokens/s) of the model body,
+  (b) end-to-end extraction throughput through draftflow.extract.extract_range: capture,
+      checks, device->host copies, byte-plane zstd encoding, fsync'd files in a store on
+      local disk,
+  (c) bytes on disk / raw hidden-state bytes (bf16).
+
+Goals: (b) >= 0.90 x (a) and (c) <= 0.72. Prints one JSON line with every figure.
+
+    python bench/extract_throughput.py                 # H200: 8B shape, 2048-token samples
+    python bench/extract_throughput.py --tiny          # any machine, seconds (CPU if no CUDA)
+    python bench/extract_throughput.py --store-dir /local/nvme/tmp --writer-threads 12
+
+The default run writes ~19 GB (deleted afterwards unless --keep): a short run would be
+dominated by the writers' backlog at the end, which a 2,000-sample range amortizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+
+from draftflow.engines.hf_capture import HfCaptureEngine  # noqa: E402
+from draftflow.extract import ExtractOptions, Record, extract_range  # noqa: E402
+from draftflow.storage import SampleStore, decode_sample  # noqa: E402
+
+LLAMA_31_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+    rope_theta=500000.0, rms_norm_eps=1e-5,
+)  # fmt: skip
+TINY = dict(
+    vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+)  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny model and samples: a quick check on CPU")
+    p.add_argument("--samples", type=int, default=None, help="samples to extract (default 400: ~19 GB on disk; tiny 24)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default 2048; tiny 128)")
+    p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per forward (default 16384; tiny 512)")
+    p.add_argument("--writer-threads", type=int, default=12, help="encoding/writing threads (16-core host: 12)")
+    p.add_argument("--compression-level", type=int, default=1)
+    p.add_argument("--forward-iters", type=int, default=None, help="timed forwards for (a) (default 10; tiny 5)")
+    p.add_argument("--aux-layer-ids", type=int, nargs="+", default=None, help="default [1, N//2-1, N-4]")
+    p.add_argument("--store-dir", type=Path, default=None, help="parent folder of the temporary store (local disk)")
+    p.add_argument("--keep", action="store_true", help="keep the store afterwards")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    defaults = (24, 128, 512, 5) if args.tiny else (400, 2048, 16384, 10)
+    for name, value in zip(("samples", "seq_len", "batch_tokens", "forward_iters"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def build_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """The model body (no LM head) with random weights, created on `device` directly."""
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**shape, use_cache=False)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaModel(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    return model.eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def forward_throughput(engine: HfCaptureEngine, batch: int, seq_len: int, vocab: int, iters: int) -> float:
+    """(a) tokens/s of the bare forward on [batch, seq_len] (the hooks are idle outside capture)."""
+    ids = torch.randint(1, vocab, (batch, seq_len), device=engine.device)
+    for _ in range(2):  # warm-up: kernels, allocator
+        engine.body(input_ids=ids, use_cache=False)
+    sync(engine.device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        engine.body(input_ids=ids, use_cache=False)
+    sync(engine.device)
+    return iters * batch * seq_len / (time.perf_counter() - t0)
+
+
+def make_records(n: int, seq_len: int, vocab: int, seed: int) -> list[Record]:
+    rng = np.random.default_rng(seed)
+    mask = np.ones(seq_len, dtype=np.uint8)
+    return [Record(f"bench-{i}", "bench", rng.integers(1, vocab, size=seq_len, dtype=np.int64), mask, i) for i in range(n)]
+
+
+def verify_first_batch(engine: HfCaptureEngine, store: SampleStore, records: list[Record], entries, per_batch: int) -> dict:
+    """Recapture the first batch (equal lengths: records 0..per_batch-1) and compare with the
+    stored, decoded samples: checks the pinned-buffer / side-stream copy path end to end."""
+    first = records[:per_batch]
+    fresh = [h.cpu() for h in engine.capture([r.input_ids for r in first])]
+    exact, max_diff = True, 0.0
+    for record, hidden, entry in zip(first, fresh, entries):
+        stored = decode_sample(store.get(entry.key), check=True).hidden
+        exact &= torch.equal(stored, hidden)
+        max_diff = max(max_diff, (stored.float() - hidden.float()).abs().max().item())
+    return {"samples": len(first), "bit_exact": bool(exact), "max_abs_diff": max_diff}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    shape = TINY if args.tiny else LLAMA_31_8B
+    dtype = torch.bfloat16
+    num_layers = shape["num_hidden_layers"]
+    aux = args.aux_layer_ids or [1, num_layers // 2 - 1, num_layers - 4]
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    t_build = time.perf_counter()
+    model = build_model(shape, device, dtype, args.seed)
+    engine = HfCaptureEngine(model, aux, batch_tokens=args.batch_tokens)
+    build_s = time.perf_counter() - t_build
+    per_batch = max(1, args.batch_tokens // args.seq_len)
+
+    forward_tps = forward_throughput(engine, per_batch, args.seq_len, shape["vocab_size"], args.forward_iters)
+
+    if args.store_dir is not None:
+        args.store_dir.mkdir(parents=True, exist_ok=True)
+    store_root = Path(tempfile.mkdtemp(prefix="draftflow-bench-store-", dir=args.store_dir))
+    try:
+        settings = {
+            "engine": "hf", "aux_layer_ids": aux, "dtype": "bfloat16",
+            "target_identity": f"bench-random-{'tiny' if args.tiny else 'llama31-8b'}-seed{args.seed}",
+        }  # fmt: skip
+        options = ExtractOptions(
+            batch_tokens=args.batch_tokens, compression_level=args.compression_level,
+            writer_threads=args.writer_threads, log_every_s=15.0,
+        )  # fmt: skip
+        records = make_records(args.samples, args.seq_len, shape["vocab_size"], args.seed + 1)
+        sync(device)
+        t0 = time.perf_counter()
+        outcome = extract_range(records, engine, SampleStore(store_root), settings, options, label="bench")
+        sync(device)
+        extract_s = time.perf_counter() - t0  # every file written and fsync'd
+        stored = sum(e.nbytes for e in outcome.entries)
+        verify = verify_first_batch(engine, SampleStore(store_root), records, outcome.entries, per_batch)
+        raw_hidden = args.samples * args.seq_len * (len(aux) + 1) * shape["hidden_size"] * 2
+        extract_tps = args.samples * args.seq_len / extract_s
+        result = {
+            "bench": "extract_throughput",
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "model": "tiny-llama" if args.tiny else "llama-3.1-8b-shaped (random bf16)",
+            "samples": args.samples, "seq_len": args.seq_len, "batch_tokens": args.batch_tokens,
+            "samples_per_forward": per_batch, "aux_layer_ids": aux,
+            "writer_threads": args.writer_threads, "compression_level": args.compression_level,
+            "forward_tokens_per_s": round(forward_tps, 1),
+            "extract_tokens_per_s": round(extract_tps, 1),
+            "extract_vs_forward": round(extract_tps / forward_tps, 4),
+            "extract_s": round(extract_s, 3),
+            "capture_s": round(outcome.stats.capture_s, 3),
+            "writer_wait_s": round(outcome.stats.writer_wait_s, 3),
+            "bytes_stored": stored,
+            "bytes_raw_hidden_bf16": raw_hidden,
+            "bytes_raw_payload": sum(e.raw_nbytes for e in outcome.entries),
+            "ratio": round(stored / raw_hidden, 4),
+            "goals": {
+                "extract_vs_forward>=0.90": extract_tps / forward_tps >= 0.90,
+                "ratio<=0.72": stored / raw_hidden <= 0.72,
+            },
+            "computed": outcome.stats.computed,
+            "verify": verify,
+            "model_build_s": round(build_s, 2),
+            "store": str(store_root),
+            "versions": {"torch": torch.__version__, **engine.versions(), "python": sys.version.split()[0]},
+            "cpu_count": os.cpu_count(),
+        }  # fmt: skip
+    finally:
+        engine.close()
+        if not args.keep:
+            shutil.rmtree(store_root, ignore_errors=True)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

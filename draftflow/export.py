@@ -1,0 +1,553 @@
+"""`draftflow export` / `draftflow import-drafter`: servable drafters for SGLang and vLLM, and
+existing SpecForge / SGLang-format EAGLE-3 drafters into ours.
+
+Export writes, under --output-dir:
+
+* `sglang/`: config.json for `LlamaForCausalLMEagle3` and model.safetensors with the names its
+  loader reads (sgl-project/sglang python/sglang/srt/models/llama_eagle3.py: `fc`, `midlayer.*`,
+  `additional_layers.*`, `norm`, `lm_head`, `d2t` → hot_token_id = d2t + arange, `t2d` skipped;
+  q/k/v and gate/up are stacked by its `load_weights`; no embedding: SGLang shares the
+  target's), plus launch.sh (`python -m sglang.launch_server … --speculative-algorithm EAGLE3`);
+* `vllm/`: the speculators format (vllm-project/speculators src/speculators/models/eagle3/
+  config.py `Eagle3SpeculatorConfig`, read by vLLM's
+  vllm/transformers_utils/configs/speculators/{base,algos}.py) with tensors named as the
+  speculators model names them (`layers.0.*`; vLLM's llama_eagle3.py `load_weights` also maps
+  `midlayer.` to `layers.0.`), plus launch.sh (`vllm serve … --speculative-config`);
+* export.json: what was written, and the aux layer ids translated for each engine.
+
+Aux layer ids: ours are "output of decoder layer i, counted from 0" (DESIGN.md §3); every
+engine captures the *input* of decoder layer j (= output of layer j-1) and derives j from the
+config ids by its own rule, which `AUX_ID_RULES` records per engine, model family and version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import shlex
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from draftflow.drafter import ARCHITECTURE, Eagle3Config, Eagle3Drafter
+from draftflow.errors import DraftflowError
+from draftflow.jsonl import atomic_path, read_json, write_json
+
+log = logging.getLogger(__name__)
+
+SPECULATORS_VERSION = "0.9.0"  # the Eagle3SpeculatorConfig layout written below
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# ---------------------------------------------------------------- aux layer ids per engine
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """'0.5.12.post1' -> (0, 5, 12); pre-release and local suffixes are ignored."""
+    parts = re.match(r"^\s*v?(\d+(?:\.\d+)*)", version)
+    if not parts:
+        raise DraftflowError(f"not a version number: {version!r}")
+    return tuple(int(p) for p in parts.group(1).split("."))
+
+
+def _input_of_next(ids: list[int]) -> list[int]:
+    return [i + 1 for i in ids]
+
+
+def _as_given(ids: list[int]) -> list[int]:
+    return list(ids)
+
+
+def _plus_one_if_first_is_one(ids: list[int]) -> list[int]:
+    return _input_of_next(ids) if ids and ids[0] == 1 else list(ids)
+
+
+@dataclass(frozen=True)
+class AuxIdRule:
+    """How an engine turns config ids into the decoder layers whose *input* it captures."""
+
+    engine: str
+    family: str  # "default" or "deepseek_v2" (DeepSeek-V2/V3, Kimi-K2/K2.5 models)
+    since: str  # first engine version the rule applies to
+    captures: Callable[[list[int]], list[int]]  # config ids -> captured layer inputs
+    source: str
+
+
+# Newest first within an (engine, family); a family without its own rule uses "default".
+AUX_ID_RULES: tuple[AuxIdRule, ...] = (
+    AuxIdRule(
+        engine="sglang", family="deepseek_v2", since="0.5.12", captures=_plus_one_if_first_is_one,
+        source="sglang python/sglang/srt/models/deepseek_v2.py set_eagle3_layers_to_capture since PR #25454 "
+        "(merged 2026-05-16, after v0.5.11 of 2026-05-06): layers_to_capture = ids + 1 if ids[0] == 1 else ids",
+    ),
+    AuxIdRule(
+        engine="sglang", family="deepseek_v2", since="0", captures=_input_of_next,
+        source="sglang deepseek_v2.py set_eagle3_layers_to_capture before PR #25454: layers_to_capture = ids + 1",
+    ),
+    AuxIdRule(
+        engine="sglang", family="default", since="0", captures=_input_of_next,
+        source="sglang python/sglang/srt/models/llama.py (qwen2.py, …) set_eagle3_layers_to_capture: "
+        "layers_to_capture = [val + 1 for val in layer_ids]; the capture runs before layer j",
+    ),
+    AuxIdRule(
+        engine="vllm", family="default", since="0", captures=_as_given,
+        source="vllm eagle3_utils get_eagle3_aux_layers_from_config passes the ids unchanged to "
+        "set_aux_hidden_state_layers; the model appends the residual stream before layer idx",
+    ),
+)  # fmt: skip
+
+DEEPSEEK_V2_FAMILY = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25")
+
+
+def _text_config(target_config: dict) -> dict:
+    """Multimodal wrappers (Kimi-K2.5) keep the language model's config in text_config."""
+    return target_config if "num_hidden_layers" in target_config else target_config.get("text_config") or target_config
+
+
+def model_family(target_config: dict) -> str:
+    """'deepseek_v2' for models SGLang serves with deepseek_v2.py (DeepSeek-V2/V3, Kimi-K2/K2.5)."""
+    types = {str(target_config.get("model_type")), str((target_config.get("text_config") or {}).get("model_type"))}
+    archs = [a.lower() for a in target_config.get("architectures") or []]
+    if types & set(DEEPSEEK_V2_FAMILY) or any("deepseek" in a or "kimik2" in a for a in archs):
+        return "deepseek_v2"
+    return "default"
+
+
+def aux_id_rule(engine: str, family: str, version: str) -> AuxIdRule:
+    v = version_tuple(version)
+    for fam in (family, "default"):
+        for rule in AUX_ID_RULES:
+            if rule.engine == engine and rule.family == fam and v >= version_tuple(rule.since):
+                return rule
+    raise DraftflowError(f"no aux layer id rule for engine {engine!r}")
+
+
+def engine_aux_ids(engine: str, version: str, target_config: dict, aux_ids: list[int]) -> tuple[list[int], AuxIdRule]:
+    """Our aux ids -> the `eagle_aux_hidden_state_layer_ids` with which `engine` captures exactly
+    them: the inputs of layers ours + 1."""
+    ours = [int(i) for i in aux_ids]
+    if ours != sorted(set(ours)):
+        # Engines append captured states in layer order; fc's input order must match.
+        raise DraftflowError(f"aux layer ids must be strictly increasing for serving, got {ours}")
+    layers = int(_text_config(target_config).get("num_hidden_layers", 0)) or None
+    if layers is not None and max(ours) >= layers - 1:
+        raise DraftflowError(
+            f"aux layer {max(ours)} is the output of the last decoder layer (the target has {layers}); "
+            f"{engine} captures layer inputs, so aux layers must be below {layers - 1}"
+        )
+    rule = aux_id_rule(engine, model_family(target_config), version)
+    wanted = _input_of_next(ours)
+    for candidate in (ours, wanted):
+        if rule.captures(candidate) == wanted:
+            return candidate, rule
+    raise DraftflowError(
+        f"aux layers {ours} cannot be requested from {engine} {version}: with its rule ({rule.source}) "
+        "no config ids capture exactly their outputs; choose other aux layers"
+    )
+
+
+def our_aux_ids(engine: str, version: str, target_config: dict, engine_ids: list[int]) -> list[int]:
+    """The ids, in our convention, of the layers an engine config's ids make it capture."""
+    rule = aux_id_rule(engine, model_family(target_config), version)
+    return [j - 1 for j in rule.captures([int(i) for i in engine_ids])]
+
+
+# ---------------------------------------------------------------- the drafter folder
+
+
+def read_drafter(path: Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
+    """(config, tensors) of a drafter folder (`train.save_drafter` layout), checked against the
+    model's own parameter names and shapes (built on the meta device: no memory)."""
+    from safetensors.torch import load_file
+
+    try:
+        cfg = Eagle3Config.from_dict(read_json(path / "config.json"))
+    except FileNotFoundError:
+        raise DraftflowError(f"{path}: no config.json; not a drafter folder") from None
+    try:
+        tensors = load_file(str(path / "model.safetensors"))
+    except FileNotFoundError:
+        raise DraftflowError(f"{path}: no model.safetensors") from None
+    with torch.device("meta"):
+        expected = Eagle3Drafter(cfg).export_state_dict()
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    want = {k: tuple(v.shape) for k, v in expected.items()}
+    if shapes != want:
+        diff = sorted(set(shapes.items()) ^ set(want.items()))
+        raise DraftflowError(f"{path / 'model.safetensors'}: tensors do not match config.json: {diff[:6]}")
+    return cfg, tensors
+
+
+def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+
+
+# ---------------------------------------------------------------- SGLang
+
+
+def sglang_config(cfg: Eagle3Config, engine_ids: list[int], dtype: str) -> dict:
+    """config.json for LlamaForCausalLMEagle3: the LlamaConfig keys its model reads (hidden_size,
+    intermediate_size, heads, rms_norm_eps, rope, vocab_size = target vocab, draft_vocab_size,
+    num_hidden_layers, tie_word_embeddings false) and `eagle_config`, which its EAGLE worker
+    reads for the aux ids; our own ids stay in `draftflow` for a lossless re-import."""
+    config = cfg.to_dict()
+    config["torch_dtype"] = dtype
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": engine_ids, "use_aux_hidden_state": True}
+    return config
+
+
+def launch_script(header: str, command: list[str], extra: str = "") -> str:
+    """A bash script: the drafter is the script's own folder, TARGET may be overridden."""
+    lines = [shlex.quote(a) if not a.startswith('"$') else a for a in command]
+    return (
+        "#!/usr/bin/env bash\n"
+        f"# {header}\n"
+        "# Extra arguments are passed on to the server. Override the target with TARGET=/path.\n"
+        "set -euo pipefail\n"
+        'DRAFTER="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"\n'
+        f"{extra}"
+        "exec " + " \\\n  ".join(lines) + ' \\\n  "$@"\n'
+    )
+
+
+def sglang_launch(target_path: Path, steps: int, tp: int, trust_remote_code: bool, version: str) -> str:
+    command = [
+        "python", "-m", "sglang.launch_server",
+        "--model-path", '"$TARGET"',
+        "--speculative-algorithm", "EAGLE3",
+        "--speculative-draft-model-path", '"$DRAFTER"',
+        "--speculative-num-steps", str(steps),
+        "--speculative-eagle-topk", "1",  # chain drafting: what `draftflow evaluate` measures
+        "--speculative-num-draft-tokens", str(steps + 1),
+        "--tp", str(tp),
+    ]  # fmt: skip
+    if trust_remote_code:
+        command.append("--trust-remote-code")
+    target = f'TARGET="${{TARGET:-{shlex.quote(str(target_path))}}}"\n'
+    return launch_script(f"SGLang {version}: serve the target with this EAGLE-3 drafter.", command, target)
+
+
+# ---------------------------------------------------------------- vLLM (speculators format)
+
+
+def vllm_tensors(tensors: dict[str, torch.Tensor], cfg: Eagle3Config) -> dict[str, torch.Tensor]:
+    if cfg.num_hidden_layers != 1:
+        # vLLM's layers 1.. continue the residual stream; SGLang's (and ours) restart it.
+        raise DraftflowError(
+            f"the vLLM export supports 1-layer drafters; this one has {cfg.num_hidden_layers} "
+            "(vLLM's extra Eagle3 layers compute differently from SGLang's, which training follows)"
+        )
+    return {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: v for k, v in tensors.items()}
+
+
+def vllm_config(
+    cfg: Eagle3Config, engine_ids: list[int], target_config: dict, target_path: Path, steps: int, dtype: str
+) -> dict:
+    layer = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "vocab_size": cfg.vocab_size,  # the target's: the embedding is shared with it
+        "torch_dtype": dtype,
+    }
+    return {
+        "architectures": ["Eagle3DraftModel"],  # vLLM replaces it by Eagle3LlamaForCausalLM (algos.py)
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": steps,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": str(target_path),
+                "architectures": list(target_config.get("architectures") or []),
+            },
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        # vLLM defaults a missing norm_before_residual to True; ours keeps the un-normed input as residual
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": engine_ids,
+        "embed_requires_grad": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "draftflow": cfg.to_dict()["draftflow"],
+    }
+
+
+def vllm_launch(target_path: Path, steps: int, tp: int, trust_remote_code: bool, version: str) -> str:
+    command = ["vllm", "serve", '"$TARGET"', "--tensor-parallel-size", str(tp), "--speculative-config", '"$SPEC"']
+    if trust_remote_code:
+        command.append("--trust-remote-code")
+    extra = (
+        f'TARGET="${{TARGET:-{shlex.quote(str(target_path))}}}"\n'
+        f'SPEC=$(printf \'{{"method": "eagle3", "model": "%s", "num_speculative_tokens": {steps}}}\' "$DRAFTER")\n'
+    )
+    return launch_script(
+        f"vLLM {version}: serve the target with this EAGLE-3 drafter (speculators format).", command, extra
+    )
+
+
+# ---------------------------------------------------------------- export
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """config `export` plus aux_layer_ids (what the drafter was trained on) and engine_versions."""
+
+    sglang_version: str = "0.5.5"
+    vllm_version: str = "0.12.0"
+    tensor_parallel: int = 1
+    num_speculative_tokens: int = 3
+    dtype: str = "bfloat16"
+    aux_layer_ids: tuple[int, ...] | None = None
+    engine_versions: dict | None = None  # recorded (e.g. the capture engine's), not interpreted
+
+    @classmethod
+    def from_dict(cls, settings: dict) -> "ExportSettings":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise DraftflowError(f"export --settings: unknown key(s) {unknown}; expected {sorted(known)}")
+        values = dict(settings)
+        if values.get("aux_layer_ids") is not None:
+            values["aux_layer_ids"] = tuple(int(i) for i in values["aux_layer_ids"])
+        s = cls(**values)
+        if s.dtype not in DTYPES:
+            raise DraftflowError(f"export dtype must be one of {sorted(DTYPES)}, got {s.dtype!r}")
+        if s.num_speculative_tokens < 1:
+            raise DraftflowError("export num_speculative_tokens must be >= 1")
+        return s
+
+
+def _target_config(target: Path) -> dict:
+    try:
+        return read_json(target / "config.json")
+    except FileNotFoundError:
+        raise DraftflowError(f"{target}: no config.json; --target must be the target model folder") from None
+
+
+def _write_launch(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.chmod(0o755)
+
+
+def export_drafter(drafter_dir: Path, target: Path, settings: ExportSettings, output_dir: Path) -> dict:
+    cfg, tensors = read_drafter(drafter_dir)
+    if settings.aux_layer_ids is not None and list(settings.aux_layer_ids) != list(cfg.aux_layer_ids):
+        raise DraftflowError(
+            f"{drafter_dir}: the drafter reads aux layers {cfg.aux_layer_ids}, "
+            f"the config says {list(settings.aux_layer_ids)}"
+        )
+    target_config = _target_config(target)
+    target_path = target.resolve()
+    trust = "auto_map" in target_config or "auto_map" in (target_config.get("text_config") or {})
+    tensors = _cast(tensors, DTYPES[settings.dtype])
+    steps, tp = settings.num_speculative_tokens, settings.tensor_parallel
+    manifest = {"drafter": str(drafter_dir), "target": str(target_path), "aux_layer_ids": list(cfg.aux_layer_ids),
+                "settings": asdict(settings)}  # fmt: skip
+
+    sg_ids, sg_rule = engine_aux_ids("sglang", settings.sglang_version, target_config, cfg.aux_layer_ids)
+    sg = output_dir / "sglang"
+    sg.mkdir(parents=True, exist_ok=True)
+    _save(tensors, sg / "model.safetensors")
+    write_json(sg / "config.json", sglang_config(cfg, sg_ids, settings.dtype))
+    _write_launch(sg / "launch.sh", sglang_launch(target_path, steps, tp, trust, settings.sglang_version))
+    manifest["sglang"] = {
+        "version": settings.sglang_version,
+        "eagle_aux_hidden_state_layer_ids": sg_ids,
+        "captures_input_of_layers": [i + 1 for i in cfg.aux_layer_ids],
+        "rule": sg_rule.source,
+    }
+
+    vl_ids, vl_rule = engine_aux_ids("vllm", settings.vllm_version, target_config, cfg.aux_layer_ids)
+    vl = output_dir / "vllm"
+    vl.mkdir(parents=True, exist_ok=True)
+    _save(vllm_tensors(tensors, cfg), vl / "model.safetensors")
+    write_json(vl / "config.json", vllm_config(cfg, vl_ids, target_config, target_path, steps, settings.dtype))
+    _write_launch(vl / "launch.sh", vllm_launch(target_path, steps, tp, trust, settings.vllm_version))
+    manifest["vllm"] = {
+        "version": settings.vllm_version,
+        "eagle_aux_hidden_state_layer_ids": vl_ids,
+        "rule": vl_rule.source,
+    }
+
+    write_json(output_dir / "export.json", manifest)
+    return manifest
+
+
+# ---------------------------------------------------------------- import
+
+
+def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            tensors.update(load_file(str(f)))
+        return tensors
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if bins:  # older SpecForge checkpoints
+        tensors = {}
+        for f in bins:
+            tensors.update(torch.load(f, map_location="cpu", weights_only=True))
+        return tensors
+    raise DraftflowError(f"{path}: no *.safetensors or pytorch_model*.bin weights")
+
+
+def _normalize_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """SGLang accepts names with or without the `model.` prefix; ours have none."""
+    return {k.removeprefix("model."): v for k, v in tensors.items()}
+
+
+def _vocab_mapping(tensors: dict, vocab: int, draft_vocab: int, path: Path) -> None:
+    """Fill in d2t / t2d where a checkpoint lacks them (SGLang only needs d2t)."""
+    if "d2t" not in tensors:
+        if draft_vocab != vocab:
+            raise DraftflowError(f"{path}: draft vocab {draft_vocab} < target vocab {vocab} but no d2t mapping")
+        tensors["d2t"] = torch.zeros(draft_vocab, dtype=torch.int64)
+    tensors["d2t"] = tensors["d2t"].to(torch.int64)
+    if "t2d" not in tensors:
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[tensors["d2t"] + torch.arange(draft_vocab)] = True
+        tensors["t2d"] = t2d
+    tensors["t2d"] = tensors["t2d"].to(torch.bool)
+
+
+def import_drafter(
+    source: str, input_dir: Path, target: Path, output: Path, sglang_version: str = "0.5.5"
+) -> Eagle3Config:
+    """A SpecForge or SGLang-format EAGLE-3 drafter (LlamaForCausalLMEagle3) -> our drafter folder.
+
+    Aux ids: our own record (`draftflow.aux_layer_ids`, present in our exports) when there is
+    one; else `eagle_config.eagle_aux_hidden_state_layer_ids`, which SpecForge writes in our
+    convention and an SGLang-format config in the server's (inverted with the rule of
+    `sglang_version`); else SGLang's default for the target, [1, N//2 - 1, N - 4] in ours.
+    The embedding is always the target's (frozen); a checkpoint's own copy is only compared.
+    """
+    from draftflow.config import default_aux_layer_ids
+    from draftflow.target import target_identity
+    from draftflow.train import load_target_tensors, save_drafter
+
+    if source not in ("sglang", "specforge"):
+        raise DraftflowError(f"import-drafter --from must be sglang or specforge, got {source!r}")
+    try:
+        raw = read_json(input_dir / "config.json")
+    except FileNotFoundError:
+        raise DraftflowError(f"{input_dir}: no config.json; not a drafter checkpoint") from None
+    if ARCHITECTURE not in (raw.get("architectures") or []):
+        raise DraftflowError(
+            f"{input_dir / 'config.json'}: architectures {raw.get('architectures')} lack {ARCHITECTURE}"
+        )
+    target_config = _target_config(target)
+    tensors = _normalize_names(_checkpoint_tensors(input_dir))
+    ckpt_embed = tensors.pop("embed_tokens.weight", None)
+
+    ours = (raw.get("draftflow") or {}).get("aux_layer_ids")
+    engine_ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ours is None and engine_ids:
+        ours = engine_ids if source == "specforge" else our_aux_ids("sglang", sglang_version, target_config, engine_ids)
+    if ours is None:
+        ours = default_aux_layer_ids(int(_text_config(target_config)["num_hidden_layers"]))
+
+    vocab = int(raw.get("vocab_size") or target_config.get("vocab_size"))
+    draft_vocab = int(raw.get("draft_vocab_size") or tensors["lm_head.weight"].shape[0])
+    _vocab_mapping(tensors, vocab, draft_vocab, input_dir)
+    record = dict(raw, vocab_size=vocab, draft_vocab_size=draft_vocab)
+    record["draftflow"] = {
+        **(raw.get("draftflow") or {}), "aux_layer_ids": list(ours), "target": target_identity(target),
+        "target_path": str(target.resolve()), "imported_from": {"format": source, "path": str(input_dir)},
+    }  # fmt: skip
+    cfg = Eagle3Config.from_dict(record)
+
+    drafter = Eagle3Drafter(cfg)
+    try:
+        missing, unexpected = drafter.load_state_dict(tensors, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise DraftflowError(f"{input_dir}: weights do not fit {ARCHITECTURE} with this config: {e}") from None
+    missing = sorted(set(missing) - {"embed_tokens.weight"})  # the embedding is the target's
+    if missing or unexpected:
+        raise DraftflowError(
+            f"{input_dir}: weights do not fit {ARCHITECTURE} with this config: missing {missing}, "
+            f"unexpected {sorted(unexpected)}"
+        )
+    if ckpt_embed is not None and not torch.equal(
+        ckpt_embed, load_target_tensors(target)["embed"].to(ckpt_embed.dtype)
+    ):
+        log.warning("%s: the checkpoint's embedding differs from the target's; the target's is used", input_dir)
+    dtype = next(v.dtype for k, v in tensors.items() if v.is_floating_point())
+    save_drafter(drafter, output, dtype=dtype, extra_files=None)
+    log.info(
+        "imported %s drafter %s -> %s (aux layers %s, draft vocab %d)", source, input_dir, output, ours, draft_vocab
+    )
+    return cfg
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
+    from draftflow.cli import settings_arg
+
+    if stage == "export":
+        parser.add_argument(
+            "--drafter", type=Path, required=True, help="drafter folder (config.json + model.safetensors)"
+        )
+        parser.add_argument("--target", type=Path, required=True, help="target model folder")
+        parser.add_argument(
+            "--settings", type=settings_arg, default={},
+            help="config `export` + aux_layer_ids (+ engine_versions, num_speculative_tokens, dtype), as JSON",
+        )  # fmt: skip
+        parser.add_argument("--output-dir", type=Path, required=True, help="writes sglang/, vllm/ and export.json")
+    else:
+        parser.add_argument("--from", dest="source", choices=["sglang", "specforge"], required=True)
+        parser.add_argument("--input", type=Path, required=True, help="checkpoint folder (config.json + weights)")
+        parser.add_argument("--target", type=Path, required=True, help="target model folder (embedding, layer count)")
+        parser.add_argument("--output", type=Path, required=True, help="drafter folder to write")
+        parser.add_argument("--sglang-version", default="0.5.5",
+                            help="SGLang version an SGLang-format config's aux layer ids were written for")  # fmt: skip
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.stage == "export":
+        manifest = export_drafter(args.drafter, args.target, ExportSettings.from_dict(args.settings), args.output_dir)
+        log.info("exported: sglang ids %s, vllm ids %s -> %s", manifest["sglang"]["eagle_aux_hidden_state_layer_ids"],
+                 manifest["vllm"]["eagle_aux_hidden_state_layer_ids"], args.output_dir)  # fmt: skip
+    else:
+        import_drafter(args.source, args.input, args.target, args.output, args.sglang_version)
+    return 0

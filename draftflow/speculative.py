@@ -1,0 +1,350 @@
+"""Chain speculative decoding, greedy, against a Hugging Face target: the *real* acceptance length.
+
+One verify step (batch size 1):
+
+    tokens  x_0 .. x_{n-1} | t          t: the last emitted token, not yet in the target's KV cache
+    draft   d_1 .. d_k                  the proposer, from the tokens (and the target's aux states)
+    verify  target([t, d_1 .. d_k])     one forward; g_i = argmax after t, d_1 .. d_i
+    accept  a = longest prefix with d_{i+1} == g_i;  emit d_1 .. d_a, g_a (the bonus token)
+    rollback the KV cache to n + 1 + a entries (t and the accepted drafts)
+
+Every emitted token is a target argmax given the emitted prefix, so the output equals plain
+greedy decoding token for token (up to floating-point ties between a (k+1)-token forward and
+single-token forwards). τ = tokens emitted by verify steps / verify steps, 1 ≤ τ ≤ k + 1
+(DESIGN.md §3); the first token comes from the prompt's forward and is not counted.
+
+Proposers: `Eagle3Proposer` (an EAGLE-3 drafter fed the target's aux states, captured in the
+verify forward by hooks on the decoder layers: aux id i = output of decoder layer i) and
+`NgramProposer` (prompt lookup, the model-free baseline). Any object with `propose` works.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from draftflow.errors import DraftflowError
+
+# ---------------------------------------------------------------- the target
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a CausalLM (`.model.layers`) or of its decoder (`get_decoder()`),
+    the same modules the hf capture engine hooks for extraction."""
+    for body in (getattr(model, "model", None), model, getattr(model, "get_decoder", lambda: None)()):
+        layers = getattr(body, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise DraftflowError(f"{type(model).__name__}: no decoder layers (`.model.layers`) to capture aux states from")
+
+
+class Target:
+    """A causal LM with a rollback-able KV cache and hooks that capture aux hidden states.
+
+    `forward(ids)` appends ids to the cache and returns the greedy next token after each of
+    them and, when capturing, their aux states [S, n_aux, H] (output of decoder layer i for
+    each aux id i, in `aux_layer_ids` order).
+    """
+
+    def __init__(self, model: nn.Module, aux_layer_ids: Sequence[int] = ()):
+        from transformers import DynamicCache
+
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.aux_layer_ids = [int(i) for i in aux_layer_ids]
+        layers = _decoder_layers(model)
+        bad = [i for i in self.aux_layer_ids if not 0 <= i < len(layers)]
+        if bad:
+            raise DraftflowError(f"aux layer ids {bad} out of range: the target has {len(layers)} decoder layers")
+        self._new_cache = lambda: DynamicCache(config=model.config)
+        # transformers >= 5.24 names the argument `cache`, older versions `past_key_values`
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._keep_arg = next((a for a in ("logits_to_keep", "num_logits_to_keep") if a in params), None)
+        self._captured: list[torch.Tensor | None] = [None] * len(self.aux_layer_ids)
+        self._capture = False
+        self._hooks = [layers[i].register_forward_hook(self._hook(slot)) for slot, i in enumerate(self.aux_layer_ids)]
+        self.cache = self._new_cache()
+
+    def _hook(self, slot: int):
+        def hook(module, args, output):
+            if self._capture:
+                self._captured[slot] = (output[0] if isinstance(output, tuple) else output)[0]  # [S, H]
+
+        return hook
+
+    def reset(self) -> None:
+        self.cache = self._new_cache()
+
+    def __len__(self) -> int:
+        return self.cache.get_seq_length()
+
+    @torch.inference_mode()
+    def forward(
+        self, ids: Sequence[int], capture: bool = False, last: int | None = None
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """ids [S] -> (greedy next token after each of the last `last` ids (default all),
+        aux [S, n_aux, H] or None). A prompt's forward needs only the last position's logits,
+        which keeps a long prompt from materializing [S, vocab] logits."""
+        self._capture = capture and bool(self.aux_layer_ids)
+        kwargs = {self._cache_arg: self.cache}
+        if last is not None and self._keep_arg:
+            kwargs[self._keep_arg] = last
+        try:
+            x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)  # [1, S]
+            logits = self.model(input_ids=x, use_cache=True, **kwargs).logits  # [1, S or last, V]
+            logits = logits[:, -last:] if last is not None else logits
+            aux = torch.stack(self._captured, dim=1) if self._capture else None  # [S, n_aux, H]
+        finally:
+            self._capture = False
+            self._captured = [None] * len(self.aux_layer_ids)
+        return logits[0].argmax(-1).tolist(), aux
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` cache entries (a negative crop works on every transformers version)."""
+        extra = len(self) - length
+        if extra > 0:
+            self.cache.crop(-extra)
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+# ---------------------------------------------------------------- proposers
+
+
+class Proposer(Protocol):
+    """Drafts up to k tokens continuing `tokens`.
+
+    tokens: everything so far (prompt + emitted), ending with the token the target has not
+    read yet; new_aux [S, n_aux, H]: the target's aux states for the S positions it read since
+    the previous call (all of them accepted), None when the target captures none.
+    """
+
+    name: str
+    needs_aux: bool
+
+    def reset(self) -> None: ...
+
+    def propose(self, tokens: list[int], new_aux: torch.Tensor | None, k: int) -> list[int]: ...
+
+
+class Eagle3Proposer:
+    """Chain drafting with an EAGLE-3 drafter (`draftflow.drafter.Eagle3Drafter` API).
+
+    Its KV cache holds one row per target position (target state i paired with token i+1) plus
+    the rows of the last chain's drafts, which are cropped before the next call.
+    """
+
+    name = "eagle3"
+    needs_aux = True
+
+    def __init__(self, drafter):
+        from draftflow.drafter import KVCache
+
+        self.drafter = drafter.eval()
+        self._new_cache = lambda: KVCache(drafter.num_layers)
+        self.device = drafter.fc.weight.device
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = self._new_cache()
+        self.rows = 0  # target-derived rows in the cache = target positions seen
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], new_aux: torch.Tensor | None, k: int) -> list[int]:
+        S = 0 if new_aux is None else new_aux.shape[0]
+        n = self.rows
+        if len(tokens) != n + S + 1:
+            raise DraftflowError(f"eagle3 proposer: {len(tokens)} tokens but {n + S} target positions + 1 expected")
+        self.cache.crop(n)  # drop the previous chain's draft rows
+        if S == 0:
+            raise DraftflowError("eagle3 proposer: no aux states for the new positions (target captures none)")
+        ids = torch.tensor([tokens[n + 1 : n + 1 + S]], device=self.device)  # [1, S]: token after each state
+        positions = torch.arange(n, n + S, device=self.device)[None]  # [1, S]
+        hidden = self.drafter.fuse(new_aux[None].to(self.device))  # [1, S, H]
+        logits, out, _ = self.drafter.step(ids, hidden, positions, self.cache)
+        self.rows = n + S
+        drafts: list[int] = []  # k = 0: the rows are fed, nothing is drafted
+        for i in range(k):
+            draft = self.drafter.to_target_ids(logits[:, -1].argmax(-1))  # [1] target id
+            drafts.append(int(draft))
+            if i + 1 < k:  # feed it back with the drafter's own (pre-norm) hidden state
+                pos = torch.tensor([[n + S + i]], device=self.device)
+                logits, out, _ = self.drafter.step(draft[:, None], out[:, -1:], pos, self.cache)
+        return drafts
+
+
+class NgramProposer:
+    """Prompt lookup: find the longest suffix n-gram (n ≤ ngram_max) that occurred earlier in the
+    sequence and propose the tokens that followed its most recent earlier occurrence."""
+
+    name = "ngram"
+    needs_aux = False
+
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1):
+        if not 1 <= ngram_min <= ngram_max:
+            raise DraftflowError(f"ngram sizes must satisfy 1 <= min ({ngram_min}) <= max ({ngram_max})")
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, tokens: list[int], new_aux: torch.Tensor | None, k: int) -> list[int]:
+        seq = np.asarray(tokens, dtype=np.int64)
+        L = len(seq)
+        for n in range(min(self.ngram_max, L - 1), self.ngram_min - 1, -1):
+            # windows starting at 0 .. L-1-n: each has at least one token after it
+            windows = np.lib.stride_tricks.sliding_window_view(seq[: L - 1], n)  # [L-n, n]
+            hits = np.flatnonzero((windows == seq[L - n :]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return seq[start : start + k].tolist()
+        return []
+
+
+# ---------------------------------------------------------------- decoding loops
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # generated tokens (the first from the prompt's forward), EOS included
+    seconds: float
+    proposed: list[int] = field(default_factory=list)  # drafts per verify step
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per verify step
+
+    @property
+    def verify_steps(self) -> int:
+        return len(self.accepted)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _stop_index(new: list[int], budget: int, eos_ids: set[int]) -> int:
+    """How many of `new` to keep: up to and including the first EOS, at most `budget`."""
+    for i, tok in enumerate(new[:budget]):
+        if tok in eos_ids:
+            return i + 1
+    return min(len(new), budget)
+
+
+def greedy_decode(target: Target, prompt: Sequence[int], max_new_tokens: int, eos_ids: set[int]) -> DecodeResult:
+    """Plain greedy decoding with the KV cache: the reference output and the speed baseline."""
+    target.reset()
+    _sync(target.device)
+    start = time.perf_counter()
+    nxt, _ = target.forward(prompt, last=1)
+    tokens = [nxt[-1]]
+    while len(tokens) < max_new_tokens and tokens[-1] not in eos_ids:
+        nxt, _ = target.forward(tokens[-1:])
+        tokens.append(nxt[0])
+    _sync(target.device)
+    return DecodeResult(tokens, time.perf_counter() - start)
+
+
+def speculative_decode(
+    target: Target,
+    proposer: Proposer,
+    prompt: Sequence[int],
+    k: int,
+    max_new_tokens: int,
+    eos_ids: set[int],
+) -> DecodeResult:
+    """Greedy chain speculative decoding with at most k drafts per verify step.
+
+    Near the end a step drafts only what the budget can still emit (k_eff = remaining - 1), so
+    no verified token is thrown away for the budget; tokens after an EOS are dropped.
+    """
+    if k < 1:
+        raise DraftflowError(f"draft tokens must be >= 1, got {k}")
+    capture = proposer.needs_aux
+    target.reset()
+    proposer.reset()
+    _sync(target.device)
+    start = time.perf_counter()
+    nxt, aux = target.forward(prompt, capture=capture, last=1)
+    out = DecodeResult([nxt[-1]], 0.0)
+    seq = list(prompt) + out.tokens  # ends with the token the target has not read yet
+    while len(out.tokens) < max_new_tokens and out.tokens[-1] not in eos_ids:
+        k_eff = min(k, max_new_tokens - len(out.tokens) - 1)
+        drafts = proposer.propose(seq, aux, k_eff)[:k_eff]  # called at k_eff = 0 too: it consumes aux
+        base = len(target)
+        greedy, aux = target.forward([seq[-1], *drafts], capture=capture)  # g_i after t, d_1 .. d_i
+        a = 0
+        while a < len(drafts) and drafts[a] == greedy[a]:
+            a += 1
+        target.crop(base + 1 + a)  # keep t and the accepted drafts
+        aux = aux[: a + 1] if aux is not None else None
+        new = drafts[:a] + [greedy[a]]
+        keep = _stop_index(new, max_new_tokens - len(out.tokens), eos_ids)
+        out.tokens += new[:keep]
+        seq += new[:keep]
+        out.proposed.append(len(drafts))
+        out.accepted.append(a)
+    _sync(target.device)
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+# ---------------------------------------------------------------- statistics
+
+
+@dataclass
+class AcceptanceStats:
+    """Per-position counts over verify steps: position i (1-based) is *reached* when drafts
+    1..i-1 were accepted and a draft i was proposed; α_i = accepted_i / reached_i."""
+
+    k: int
+    steps: int = 0
+    emitted: int = 0  # tokens emitted by verify steps
+    generated: int = 0  # all generated tokens (with the prompt forward's first)
+    seconds: float = 0.0
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.reached = self.reached or [0] * self.k
+        self.accepted = self.accepted or [0] * self.k
+
+    def add(self, result: DecodeResult) -> None:
+        self.steps += result.verify_steps
+        self.emitted += len(result.tokens) - 1
+        self.generated += len(result.tokens)
+        self.seconds += result.seconds
+        for proposed, accepted in zip(result.proposed, result.accepted):
+            for i in range(min(proposed, accepted + 1)):
+                self.reached[i] += 1
+                self.accepted[i] += i < accepted
+
+    @property
+    def tau(self) -> float:
+        """Real acceptance length: tokens per verify step (1 when nothing was verified)."""
+        return self.emitted / self.steps if self.steps else 1.0
+
+    @property
+    def alpha(self) -> list[float]:
+        return [a / r if r else 0.0 for a, r in zip(self.accepted, self.reached)]
+
+    def as_json(self) -> dict:
+        return {
+            "draft_tokens": self.k,
+            "acceptance_length": self.tau,
+            "alpha": self.alpha,
+            "accepted": self.accepted,
+            "reached": self.reached,
+            "verify_steps": self.steps,
+            "generated_tokens": self.generated,
+            "seconds": self.seconds,
+            "tokens_per_second": self.generated / self.seconds if self.seconds else None,
+        }

@@ -1,0 +1,304 @@
+"""Acceptance-length evaluation: simulated (teacher forced) against real speculative decoding,
+and the `draftflow evaluate` stage end to end on a tiny target saved to disk."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from draftflow.cli import main as cli_main
+from draftflow.evaluate import SimulatedAcceptance, chain_lengths, simulate
+from draftflow.speculative import AcceptanceStats, Eagle3Proposer, Target, greedy_decode, speculative_decode
+from draftflow.ttt import TargetHead, summarize, ttt_loss
+from test_speculative import AUX, one_thread, random_prompts, tiny_drafter, tiny_target  # noqa: F401 (fixture)
+
+NEW = 40  # generated tokens per prompt
+K = 4
+
+
+def capture(model, ids: list[int]) -> torch.Tensor:
+    """[T, L, H]: the aux layers' outputs and the final post-norm state, as extraction stores them."""
+    target = Target(model, AUX)
+    try:
+        _, aux = target.forward(ids, capture=True)
+    finally:
+        target.close()
+    with torch.no_grad():
+        final = model.model.norm(model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0])
+    return torch.cat([aux, final[:, None]], dim=1)
+
+
+def train_briefly(drafter, model, steps: int = 150, seed: int = 5) -> None:
+    """A short TTT run on random token sequences (the target's own states and argmax as labels):
+    enough for non-trivial acceptance on this mostly-bigram target."""
+    g = torch.Generator().manual_seed(seed)
+    data = [torch.randint(0, model.config.vocab_size, (48,), generator=g) for _ in range(64)]
+    states = [capture(model, x.tolist()) for x in data]
+    head = TargetHead(model.lm_head.weight, drafter.t2d)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-2)
+    drafter.train()
+    for step in range(steps):
+        i = (step * 4) % len(data)
+        ids, h = torch.stack(data[i : i + 4]), torch.stack(states[i : i + 4])
+        result = ttt_loss(drafter, ids, torch.ones_like(ids), h[:, :, :-1], head(h[:, :, -1]), K)
+        opt.zero_grad()
+        result.loss.backward()
+        opt.step()
+    drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A mostly-bigram float64 target, a briefly trained drafter, and eval samples that are the
+    target's own greedy continuations of random prompts (loss mask on the continuation)."""
+    model = tiny_target(attn_scale=0.02)
+    drafter = tiny_drafter(model, std=0.02)
+    start = time.perf_counter()
+    train_briefly(drafter, model)
+    print(f"training: {time.perf_counter() - start:.1f} s")
+    target = Target(model, AUX)
+    prompts = random_prompts(12, model.config.vocab_size, seed=7)
+    references = [greedy_decode(target, p, NEW, set()) for p in prompts]
+    samples = []
+    for p, ref in zip(prompts, references):
+        ids = p + ref.tokens
+        samples.append((torch.tensor(ids), torch.tensor([0] * len(p) + [1] * len(ref.tokens)), capture(model, ids)))
+    head = TargetHead(model.lm_head.weight, drafter.t2d)
+    yield model, drafter, target, head, prompts, references, samples
+    target.close()
+
+
+def test_simulated_chains_replay_real_decoding_exactly(trained):
+    """On greedy data, the teacher-forced chain of every anchor the real decoder visits is exactly
+    the number of drafts the real verify step accepts (capped by K and the token budget)."""
+    model, drafter, target, head, prompts, references, samples = trained
+    proposer = Eagle3Proposer(drafter)
+    checked = 0
+    for prompt, ref, (ids, mask, hidden) in zip(prompts, references, samples):
+        chain, _ = chain_lengths(drafter, head, ids, mask, hidden, K)
+        out = speculative_decode(target, proposer, prompt, K, NEW, set())
+        assert out.tokens == ref.tokens
+        anchor, emitted = len(prompt) - 1, 1  # row of the state before the first generated token
+        for proposed, accepted in zip(out.proposed, out.accepted):
+            assert proposed == min(K, NEW - emitted - 1)
+            assert accepted == min(int(chain[anchor]), proposed)
+            anchor, emitted = anchor + accepted + 1, emitted + accepted + 1
+            checked += 1
+    assert checked > 3 * len(prompts)
+
+
+def test_simulated_acceptance_is_what_training_reports(trained):
+    """`simulate` counts chains as draftflow.ttt does: same α per step on the same samples."""
+    model, drafter, target, head, prompts, references, samples = trained
+
+    class Reader(list):  # the HiddenStateReader interface simulate() uses: len and samples
+        pass
+
+    from draftflow.storage import Sample
+
+    reader = Reader(Sample(ids.numpy(), mask.numpy().astype(np.uint8), h) for ids, mask, h in samples)
+    sim = simulate(drafter, head, reader, K)
+    stats = None
+    with torch.no_grad():
+        for ids, mask, h in samples:
+            r = ttt_loss(drafter, ids[None], mask[None], h[None, :, :-1], head(h[None, :, -1]), K)
+            stats = r.stats if stats is None else stats + r.stats
+    expected = summarize(stats, 0.8)
+    assert sim.alpha == pytest.approx(expected["step_alpha"], abs=1e-12)
+    assert sim.tau == pytest.approx(expected["tau"], abs=1e-12)
+
+
+def test_simulated_and_real_acceptance_length_agree(trained):
+    """Simulated τ counts every anchor, real τ only the anchors the decoder visits; on greedy
+    data each visited anchor accepts exactly its simulated chain (test above), so the two differ
+    only by which anchors are sampled. With 12 prompts × 40 tokens that sampling difference
+    stays within 0.2 tokens here (and 12% relative); a drafter that is worse at inference than
+    in teacher forcing (e.g. a cache bug) falls outside it."""
+    model, drafter, target, head, prompts, references, samples = trained
+    sim = SimulatedAcceptance(K)
+    for ids, mask, h in samples:
+        sim.add(*chain_lengths(drafter, head, ids, mask, h, K))
+    real = AcceptanceStats(K)
+    for prompt in prompts:
+        real.add(speculative_decode(target, Eagle3Proposer(drafter), prompt, K, NEW, set()))
+    print(f"τ simulated {sim.tau:.3f} α {sim.alpha}; real {real.tau:.3f} α {real.alpha}")
+    assert sim.alpha[0] > 0.3 and real.alpha[0] > 0.3  # non-trivial acceptance
+    assert 1.0 <= real.tau <= K + 1
+    assert abs(sim.tau - real.tau) <= 0.2
+    assert abs(sim.tau - real.tau) <= 0.12 * real.tau
+
+
+# ---------------------------------------------------------------- the stage, end to end
+
+
+def write_eval_split(tmp_path, model, records: list[tuple[list[int], list[int]]]):
+    """eval.jsonl plus one extracted range folder holding the records' hidden states."""
+    from draftflow.jsonl import write_jsonl
+    from draftflow.storage import SampleStore, encode_sample, sample_key, write_range_index
+
+    rows = [
+        {"id": f"s{i}", "dataset": "d", "input_ids": ids, "loss_mask": mask} for i, (ids, mask) in enumerate(records)
+    ]
+    write_jsonl(tmp_path / "merged" / "eval.jsonl", rows)
+    store = SampleStore(tmp_path / "hs" / "store")
+    entries = []
+    for i, (ids, mask) in enumerate(records):
+        key = sample_key("test", ids)
+        put = store.put(key, encode_sample(ids, mask, capture(model, ids).to(torch.bfloat16)))
+        entries.append(put.entry(f"s{i}", key))
+    range_dir = tmp_path / "hs" / "eval" / f"rows_0-{len(records)}"
+    meta = {"settings_digest": "test", "store_root": str(tmp_path / "hs" / "store"), "num_layers_captured": 4,
+            "hidden_size": model.config.hidden_size}  # fmt: skip
+    write_range_index(range_dir, entries, meta)
+    return range_dir
+
+
+@pytest.fixture(scope="module")
+def stage_inputs(tmp_path_factory):
+    """A saved tiny target with a Llama-3-style tokenizer, a saved drafter, an eval split."""
+    from helpers_tokenizers import build_fast_tokenizer
+
+    from draftflow.train import save_drafter
+
+    tmp = tmp_path_factory.mktemp("evaluate")
+    tokenizer = build_fast_tokenizer("llama3")
+    model = tiny_target(vocab=len(tokenizer), attn_scale=0.02, dtype=torch.float32)
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    model.save_pretrained(tmp / "target")
+    tokenizer.save_pretrained(tmp / "target")
+    save_drafter(tiny_drafter(model, dtype=torch.float32), tmp / "drafter", dtype=torch.float32)
+    records = []
+    for i, prompt in enumerate(["Hello there!", "What is the weather in Paris?", "Get the weather in a city."]):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer(ids, add_special_tokens=False)["input_ids"]
+        answer = random_prompts(1, len(tokenizer), seed=i, min_len=10, max_len=20)[0]
+        records.append((ids + answer, [0] * len(ids) + [1] * len(answer)))
+    range_dir = write_eval_split(tmp, model, records)
+    (tmp / "prompts.txt").write_text("The quick brown fox\n\nHow can I help you today?\n")
+    return tmp, range_dir, records
+
+
+def run_stage(tmp, range_dir, **overrides) -> int:
+    settings = {
+        "draft_tokens": [3, 2], "max_prompts": 4, "max_new_tokens": 12, "prompts_file": str(tmp / "prompts.txt"),
+        "ngram_max": 3, "device": "cpu", "aux_layer_ids": AUX, **overrides,
+    }  # fmt: skip
+    return cli_main([
+        "evaluate", "--drafter", str(tmp / "drafter"), "--target", str(tmp / "target"),
+        "--eval-ranges", str(range_dir), "--eval-data", str(tmp / "merged" / "eval.jsonl"),
+        "--settings", json.dumps(settings), "--output-dir", str(tmp / "eval"),
+    ])  # fmt: skip
+
+
+def test_evaluate_stage_writes_acceptance_json_and_csv(stage_inputs):
+    tmp, range_dir, records = stage_inputs
+    assert run_stage(tmp, range_dir) == 0
+    report = json.loads((tmp / "eval" / "acceptance.json").read_text())
+    # prompts: both file lines, then eval records up to max_prompts
+    assert report["prompts"] == {"count": 4, "from_file": 2, "from_eval": 2}
+    assert report["acceptance_length"] == report["eagle3"]["3"]["acceptance_length"]
+    assert 1.0 <= report["acceptance_length_simulated"] <= 4.0
+    assert report["simulated"]["draft_tokens"] == 3 and report["simulated"]["samples"] == len(records)
+    for method in ("eagle3", "ngram"):
+        for k in (2, 3):
+            r = report[method][str(k)]
+            assert 1.0 <= r["acceptance_length"] <= k + 1
+            assert len(r["alpha"]) == k and r["prompts"] == 4
+            assert r["matches_greedy"] == 4  # float32 here: no argmax ties on this model
+            assert r["generated_tokens"] == report["greedy"]["generated_tokens"]
+            assert r["speedup"] > 0
+    assert report["settings"]["draft_tokens"] == [3, 2] and report["aux_layer_ids"] == AUX
+    with open(tmp / "eval" / "acceptance.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["method"], r["measured"], r["draft_tokens"]) for r in rows] == [
+        ("eagle3", "simulated", "3"), ("eagle3", "real", "2"), ("eagle3", "real", "3"),
+        ("ngram", "real", "2"), ("ngram", "real", "3"),
+    ]  # fmt: skip
+    assert float(rows[2]["acceptance_length"]) == pytest.approx(report["acceptance_length"], abs=1e-4)
+    assert rows[1]["alpha_3"] == "" and rows[2]["alpha_3"] != ""
+
+
+def test_evaluate_refuses_a_drafter_trained_on_other_layers(stage_inputs, capsys):
+    tmp, range_dir, _ = stage_inputs
+    assert run_stage(tmp, range_dir, aux_layer_ids=[0, 1, 2]) == 1
+    assert "reads aux layers [0, 1, 3]" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- report figures
+
+
+def plot_cli(**kwargs) -> int:
+    """`draftflow plot …` through the plots module's own parser (cli.py registers the stage)."""
+    import argparse
+
+    from draftflow import plots
+
+    parser = argparse.ArgumentParser()
+    plots.configure_parser(parser, "plot")
+    argv = [x for k, v in kwargs.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    return plots.main(parser.parse_args(argv))
+
+
+def assert_png(path) -> None:
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(path)  # [h, w, 4] floats
+    assert image.shape[0] > 100 and image.shape[1] > 100
+    assert image[..., :3].std() > 0.05  # something is drawn on the white canvas
+
+
+def test_plots_render_from_small_inputs(tmp_path, stage_inputs):
+    from draftflow.jsonl import write_json, write_jsonl
+
+    g = np.random.default_rng(0)
+    lengths = g.integers(5, 500, 200).tolist()
+    records = [
+        {"id": str(i), "dataset": f"d{i % 3}", "input_ids": [1] * n, "loss_mask": [1] * n}
+        for i, n in enumerate(lengths)
+    ]
+    write_jsonl(tmp_path / "train.jsonl", records)
+    write_json(tmp_path / "manifest.json", {"settings": {"max_seq_len": 512}})
+    assert plot_cli(kind="lengths", train_data=tmp_path / "train.jsonl", manifest=tmp_path / "manifest.json",
+                    output=tmp_path / "lengths.png") == 0  # fmt: skip
+    assert_png(tmp_path / "lengths.png")
+
+    write_json(tmp_path / "plan.json", {"total": {"tokens": 21_000_000, "bytes_raw": 1_344_000_000_000,
+               "bytes_expected": 967_680_000_000}, "expected_compression_ratio": 0.72})  # fmt: skip
+    write_json(tmp_path / "data_config.json", {"total_tokens": 20_500_000, "bytes_raw": 1_312_000_000_000,
+               "bytes_stored": 905_280_000_000, "compression_ratio": 0.69})  # fmt: skip
+    assert plot_cli(kind="storage", plan=tmp_path / "plan.json", data_config=tmp_path / "data_config.json",
+                    output=tmp_path / "storage.png") == 0  # fmt: skip
+    assert_png(tmp_path / "storage.png")
+
+    accuracy = [[min(0.9, s / 400 / (k + 1)) for k in range(7)] for s in range(0, 400, 10)]
+    rows = [
+        {"kind": "train", "step": s, "loss": 5 / (1 + s / 50), "step_accuracy": a}
+        for s, a in zip(range(0, 400, 10), accuracy)
+    ]
+    rows += [{"kind": "eval", "step": s, "loss": 5 / (1 + s / 60), "step_accuracy": [0.3 / (k + 1) for k in range(7)]}
+             for s in (100, 200, 300)]  # fmt: skip
+    write_jsonl(tmp_path / "metrics.jsonl", rows)
+    assert plot_cli(kind="training", metrics=tmp_path / "metrics.jsonl", output=tmp_path / "training.png") == 0
+    assert_png(tmp_path / "training.png")
+
+    # acceptance.json as `draftflow evaluate` writes it (from the stage test above, or run it now)
+    tmp, range_dir, _ = stage_inputs
+    if not (tmp / "eval" / "acceptance.json").exists():
+        assert run_stage(tmp, range_dir) == 0
+    assert plot_cli(kind="acceptance", acceptance=tmp / "eval" / "acceptance.json", output=tmp_path / "acc.png") == 0
+    assert_png(tmp_path / "acc.png")
+
+
+def test_plot_reports_missing_inputs(tmp_path):
+    from draftflow.errors import DraftflowError
+
+    with pytest.raises(DraftflowError, match="--plan --data-config"):
+        plot_cli(kind="storage", output=tmp_path / "x.png")
