@@ -18,6 +18,7 @@ include: "rules/data.smk"
 include: "rules/merge.smk"
 include: "rules/extract.smk"
 include: "rules/train.smk"
+include: "rules/evaluate.smk"
 
 
 rule all:

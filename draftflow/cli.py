@@ -36,6 +36,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "evaluate": ("draftflow.evaluate", "measure acceptance length"),
     "export": ("draftflow.export", "export the drafter for SGLang and vLLM"),
     "import-drafter": ("draftflow.export", "import a SpecForge / SGLang-format EAGLE-3 drafter"),
+    "plot": ("draftflow.plots", "render a report figure (PNG)"),
 }
 
 

@@ -206,6 +206,7 @@ def extract_settings(wildcards) -> str:
     a range is stale exactly when one of these changes."""
     settings = dict(config["extract"])
     settings["aux_layer_ids"] = resolved_aux_layer_ids()
+    settings["trust_remote_code"] = config["target"]["trust_remote_code"]
     settings["target_identity"] = target_identity()
     settings["range_digest"] = range_of(wildcards)["digest"]
     return as_settings(settings)
@@ -217,6 +218,12 @@ def final_outputs() -> list:
         f"{RESULTS}/merged/storage_plan.json",
         f"{RESULTS}/hidden_states/data_config.json",
         f"{RESULTS}/drafter",
+        f"{RESULTS}/eval/acceptance.json",
+        f"{RESULTS}/export/export.json",
+        *(
+            f"{RESULTS}/plots/{kind}.png"
+            for kind in ("lengths", "storage", "training", "acceptance")
+        ),
     ]
     return outputs
 
