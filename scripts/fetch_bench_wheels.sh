@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Download, on this machine, the wheels the H200 machine needs for the GPU benchmarks
+# (bench/README.md): speculators 0.9's EAGLE-3 training path and draftflow's storage codec.
+# The H200 image has Python 3.12, torch, transformers, numpy, safetensors, pyarrow, pandas,
+# fsspec, huggingface-hub, httpx, anyio, rich, tqdm, typer, xxhash … but no package index;
+# everything below is missing there (found by running bench/speculators_compare.py --tiny in
+# a venv holding only the image's packages and adding one package per ModuleNotFoundError).
+# Never add torch, transformers, numpy, safetensors, torchvision or torchaudio: the wheels
+# are installed with --target in front of the machine's own packages and would shadow them.
+#
+# Idempotent: a wheel already in .whl is kept; another version of the same package is
+# replaced (pip refuses two versions of one package in a single install).
+#
+# usage: scripts/fetch_bench_wheels.sh [DEST]      (default: .whl in the repo root)
+set -euo pipefail
+
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+dest="${1:-$repo/.whl}"
+mkdir -p "$dest"
+
+wheels=(
+    # speculators' training path (speculators.train.cli / trainer / dataloader, models.eagle3)
+    speculators==0.9.0
+    hs-connectors==0.9.0          # hs_connectors.FileTransfer reads hidden_states/hs_{i}.safetensors
+    datasets==5.1.0               # load_from_disk (speculators: datasets<=5.1.0); also draftflow's exporter
+    dill==0.4.1                   # datasets
+    multiprocess==0.70.19         # datasets
+    pydantic==2.14.4              # speculators' config classes and TrainConfig
+    pydantic-core==2.50.5         # pydantic (compiled, cp312)
+    annotated-types==0.8.0        # pydantic
+    typing-inspection==0.4.5      # pydantic
+    typing-extensions==4.16.0     # pydantic 2.14 declares >=4.16; newer than any older copy it shadows
+    pydantic-settings==2.16.3     # speculators.train.config.TrainConfig (BaseSettings)
+    python-dotenv==1.2.4          # pydantic-settings
+    loguru==0.7.3                 # speculators' logging
+    openai==3.57.0                # imported at module level by speculators.train.data (unused offline)
+    httpx2==2.16.2                # openai
+    sniffio==1.3.1                # openai
+    # draftflow's storage codec (bench/train_throughput.py and the export)
+    zstandard==0.25.0
+)
+
+norm() { echo "$1" | tr 'A-Z-.' 'a-z__'; }  # wheel file names: lower case, '-' and '.' as '_'
+
+fetched=0
+for spec in "${wheels[@]}"; do
+    name="${spec%%==*}"
+    version="${spec##*==}"
+    want="$(norm "$name")"
+    have=""
+    for f in "$dest"/*.whl; do
+        [ -e "$f" ] || continue
+        base="$(basename "$f")"
+        fname="$(norm "${base%%-*}")"
+        rest="${base#*-}"
+        fversion="${rest%%-*}"
+        if [ "$fname" = "$want" ]; then
+            if [ "$fversion" = "$version" ]; then
+                have="$f"
+            else
+                echo "removing $base (want $name $version)"
+                rm -f "$f"
+            fi
+        fi
+    done
+    [ -n "$have" ] && continue
+    python3 -m pip download -q --no-deps --only-binary=:all: \
+        --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+        -d "$dest" "$spec" 2> >(grep -v "^WARNING: Location" >&2)
+    fetched=$((fetched + 1))
+done
+
+total=$(du -cb "$dest"/*.whl | tail -1 | cut -f1)
+echo "$fetched downloaded; $(ls "$dest"/*.whl | wc -l) wheels in $dest, $((total / 1024)) KiB"
+if [ "$total" -gt $((40 * 1024 * 1024)) ]; then
+    echo "error: $dest holds more than 40 MB; the working tree that travels to the device is capped at 64 MiB" >&2
+    exit 1
+fi
