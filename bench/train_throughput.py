@@ -1,0 +1,241 @@
+"""Drafter training throughput: tokens/s, model FLOPs utilization, and time waiting on data.
+
+An EAGLE-3 drafter for a Llama-3.1-8B-shaped target (H 4096, 32 heads, 8 KV heads,
+intermediate 14336, target vocab 128256, draft vocab 32000, llama3 RoPE) trained with the real
+training step (draftflow.train.train_step: target LM head, 7-step TTT, AdamW, bf16 autocast) on
+2048-token samples of random bf16 hidden states, written through the storage API into a
+temporary store and read back compressed from disk by DataLoader workers.
+
+Two timed phases of the same step:
+  compute-only: a few batches kept on the device, cycled (no data loading at all);
+  end-to-end:   batches from disk through the DataLoader (decode, collate, pin, copy).
+data_wait_share = 1 - compute-only step time / end-to-end step time (goal <= 0.05);
+host_blocked_share = share of end-to-end wall time the training loop sat in next(loader).
+
+FLOPs counted (model FLOPs, for MFU): 6 x matmul parameters per token per TTT step
+(q/k/v/o, MLP, LM head; fc once per token, 4x as its input needs no gradient) plus causal
+attention actually attended (12 x heads x head_dim x visible keys per token per step: the
+prefix and the chain's own diagonal). Not counted: the target LM head (reported as
+target_head_flops_per_token), masked-out attention work, norms and softmax.
+
+    python bench/train_throughput.py            # GPU: 8B shape (H200: a few minutes)
+    python bench/train_throughput.py --tiny     # any machine, seconds (CPU if no CUDA)
+
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+
+from draftflow.drafter import Eagle3Config, Eagle3Drafter  # noqa: E402
+from draftflow.storage import HiddenStateReader, SampleStore, encode_sample, sample_key, write_range_index  # noqa: E402
+from draftflow.train import DistEnv, TrainSettings, make_loader, make_optimizer, plan_batches, train_step  # noqa: E402
+from draftflow.ttt import TargetHead, TTTObjective  # noqa: E402
+
+LLAMA_31_8B = {
+    "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+    "vocab_size": 128256, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+}  # fmt: skip
+TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+        "vocab_size": 1024, "rms_norm_eps": 1e-5, "max_position_embeddings": 1024}  # fmt: skip
+PEAK_BF16_TFLOPS = {"H200": 989.5, "H100": 989.5, "A100": 312.0}  # dense, SXM
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny shapes: a quick check on CPU")
+    p.add_argument("--seq-len", type=int, help="tokens per sample (default 2048; tiny 128)")
+    p.add_argument("--batch-tokens", type=int, help="padded tokens per step (default 16384; tiny 512)")
+    p.add_argument("--samples", type=int, help="samples on disk (default 48; tiny 16)")
+    p.add_argument("--steps", type=int, help="timed steps per phase (default 20; tiny 3)")
+    p.add_argument("--warmup", type=int, help="untimed steps first (default 3; tiny 1)")
+    p.add_argument("--ttt-steps", type=int, default=7)
+    p.add_argument("--draft-vocab", type=int, help="default 32000; tiny 256")
+    p.add_argument("--workers", type=int, default=8, help="DataLoader worker processes")
+    p.add_argument("--data-dir", type=Path, help="where to write the store (default: a temp folder)")
+    p.add_argument("--peak-tflops", type=float, help="bf16 dense peak for MFU (default: by device name)")
+    p.add_argument("--profile", action="store_true", help="also print the top kernels of 2 steps to stderr")
+    a = p.parse_args(argv)
+    t = a.tiny
+    a.seq_len = a.seq_len or (128 if t else 2048)
+    a.batch_tokens = a.batch_tokens or (512 if t else 16384)
+    a.samples = a.samples or (16 if t else 48)
+    a.steps = a.steps or (3 if t else 20)
+    a.warmup = a.warmup if a.warmup is not None else (1 if t else 3)
+    a.draft_vocab = a.draft_vocab or (256 if t else 32000)
+    if t:
+        a.ttt_steps = min(a.ttt_steps, 3)
+        a.workers = min(a.workers, 1)
+    return a
+
+
+def fabricate(root: Path, n: int, T: int, H: int, V: int) -> tuple[Path, float]:
+    """n samples of T tokens, random bf16 hidden [T, 4, H], through the storage API. Returns (range dir, stored/raw)."""
+    store = SampleStore(root / "store")
+
+    def one(i: int):
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, V, (T,), generator=g).numpy()
+        mask = (np.arange(T) >= T // 4).astype(np.uint8)
+        hidden = torch.randn(T, 4, H, generator=g).to(torch.bfloat16)
+        key = sample_key("bench", ids)
+        return store.put(key, encode_sample(ids, mask, hidden)).entry(f"bench-{i}", key)
+
+    with ThreadPoolExecutor(16) as pool:
+        entries = list(pool.map(one, range(n)))
+    range_dir = root / "rows_0"
+    write_range_index(range_dir, entries, {"settings_digest": "bench", "store_root": str(root / "store"),
+                                           "num_layers_captured": 4, "hidden_size": H})  # fmt: skip
+    return range_dir, sum(e.nbytes for e in entries) / sum(e.raw_nbytes for e in entries)
+
+
+def model_flops_per_token(cfg: Eagle3Config, ttt_steps: int, T: int) -> float:
+    H, I, q, kv = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_attention_heads * cfg.head_dim,
+        cfg.num_key_value_heads * cfg.head_dim,
+    )
+    mid = 2 * H * q + 2 * (2 * H * kv) + q * H + 3 * H * I
+    extra = (cfg.num_hidden_layers - 1) * (H * q + 2 * H * kv + q * H + 3 * H * I)
+    per_step = mid + extra + H * cfg.draft_vocab_size
+    matmul = 4 * len(cfg.aux_layer_ids) * H * H + 6 * ttt_steps * per_step
+    attention = sum(12 * q * ((T + 1) / 2 + k) * cfg.num_hidden_layers for k in range(ttt_steps))
+    return matmul + attention
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    shape = TINY if a.tiny else LLAMA_31_8B
+    cfg = Eagle3Config.from_target(
+        shape, draft_vocab_size=a.draft_vocab, aux_layer_ids=[1, 15, 28], ttt_steps=a.ttt_steps
+    )
+    H, V = cfg.hidden_size, cfg.vocab_size
+
+    root = Path(tempfile.mkdtemp(prefix="draftflow-train-bench-", dir=a.data_dir))
+    try:
+        t0 = time.perf_counter()
+        range_dir, ratio = fabricate(root, a.samples, a.seq_len, H, V)
+        fabricate_s = time.perf_counter() - t0
+
+        torch.manual_seed(0)
+        drafter = Eagle3Drafter(cfg)
+        dtype = torch.bfloat16 if cuda else torch.float32
+        drafter.embed_tokens.weight = torch.randn(V, H, dtype=dtype) * 0.02
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[torch.randperm(V)[: a.draft_vocab]] = True
+        drafter.set_vocab(torch.nonzero(t2d)[:, 0] - torch.arange(a.draft_vocab), t2d)
+        head = TargetHead(torch.randn(V, H, dtype=dtype) * 0.02, t2d).to(device)
+        drafter.to(device)
+        objective = TTTObjective(drafter, a.ttt_steps, 0.8)
+        s = TrainSettings(
+            aux_layer_ids=(1, 15, 28), ttt_steps=a.ttt_steps, batch_tokens=a.batch_tokens, num_workers=a.workers
+        )
+        total = a.warmup + 2 * a.steps
+        opt, sched = make_optimizer(drafter, s, total, fused=cuda)
+        env = DistEnv(device=device)
+
+        reader = HiddenStateReader([range_dir])
+        epochs = math.ceil((a.warmup + a.steps) / max(1, len(plan_batches(reader.lengths, a.batch_tokens, 0, 0))))
+        batches = [b for e in range(epochs + 1) for b in plan_batches(reader.lengths, a.batch_tokens, 0, e)]
+        loader = iter(make_loader(reader, batches, s, device))
+
+        def sync():
+            if cuda:
+                torch.cuda.synchronize()
+
+        def step(batch):
+            return train_step(objective, head, [batch], opt, sched, env, s.grad_clip)
+
+        # warm-up (allocator, kernels), then compute-only on device-resident batches
+        resident = [next(loader).to(device) for _ in range(min(4, a.warmup + 1))]
+        for i in range(a.warmup):
+            step(resident[i % len(resident)])
+        sync()
+        t0 = time.perf_counter()
+        for i in range(a.steps):
+            stats, _ = step(resident[i % len(resident)])
+        sync()
+        compute_s = (time.perf_counter() - t0) / a.steps
+        resident_tokens = sum(b.tokens for b in resident) / len(resident)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+        # end-to-end: from disk through the DataLoader
+        blocked, tokens = 0.0, 0
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            tb = time.perf_counter()
+            batch = next(loader).to(device)
+            blocked += time.perf_counter() - tb
+            tokens += batch.tokens
+            stats, _ = step(batch)
+        sync()
+        wall = time.perf_counter() - t0
+        e2e_s = wall / a.steps
+        loss = (stats[0] / stats[1].clamp(min=1)).sum().item()
+        if a.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with profile(activities=activities) as prof:
+                for i in range(2):
+                    step(resident[i % len(resident)])
+                sync()
+            key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+            print(prof.key_averages().table(sort_by=key, row_limit=30), file=sys.stderr)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    tokens_per_s = tokens / wall
+    flops = model_flops_per_token(cfg, a.ttt_steps, a.seq_len)
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    peak = a.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    result = {
+        "bench": "train_throughput",
+        "device": name,
+        "torch": torch.__version__,
+        "shape": "tiny" if a.tiny else "llama-3.1-8b",
+        "hidden_size": H, "draft_vocab": a.draft_vocab, "target_vocab": V, "ttt_steps": a.ttt_steps,
+        "seq_len": a.seq_len, "batch_tokens": a.batch_tokens, "workers": a.workers, "steps": a.steps,
+        "tokens_per_s": round(tokens_per_s, 1),
+        "tokens_per_s_compute_only": round(resident_tokens / compute_s, 1),
+        "step_s": round(e2e_s, 4),
+        "step_s_compute_only": round(compute_s, 4),
+        "data_wait_share": round(max(0.0, 1 - compute_s / e2e_s), 4),
+        "host_blocked_share": round(blocked / wall, 4),
+        "model_flops_per_token": flops,
+        "target_head_flops_per_token": 2 * H * V,
+        "mfu": round(flops * tokens_per_s / (peak * 1e12), 4) if peak else None,
+        "peak_tflops": peak,
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+        "stored_over_raw": round(ratio, 3),
+        "fabricate_s": round(fabricate_s, 1),
+        "last_loss": round(loss, 4),
+    }  # fmt: skip
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

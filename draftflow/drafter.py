@@ -1,0 +1,499 @@
+"""The EAGLE-3 drafter (DESIGN.md §3): one Llama-style decoder layer over fused target states.
+
+Parameter names follow SGLang's `LlamaForCausalLMEagle3` checkpoint layout
+(sgl-project/sglang, python/sglang/srt/models/llama_eagle3.py), so a saved state dict
+loads there as it is:
+
+    fc.weight                                   [H, 3H]   fuses the 3 aux states, no bias
+    midlayer.input_layernorm.weight             [H]       norm of the token embedding
+    midlayer.hidden_norm.weight                 [H]       norm of the (fused or own) hidden state
+    midlayer.self_attn.{q,k,v}_proj.weight      [*, 2H]   read cat(embed_norm, hidden_norm), that order
+    midlayer.self_attn.o_proj.weight            [H, heads*head_dim]
+    midlayer.post_attention_layernorm.weight    [H]
+    midlayer.mlp.{gate,up,down}_proj.weight
+    additional_layers.{i}.*                     layers 2.. (num_hidden_layers > 1), H-wide input
+    norm.weight, lm_head.weight [Vd, H], d2t [Vd] int64, t2d [V] bool
+
+The token embedding `embed_tokens` is the target's, frozen, and never exported.
+
+Residual stream, as SGLang computes it: with h the input hidden state,
+    r = h + attn(cat(in_norm(embed), hidden_norm(h)));  out = r + mlp(post_norm(r))
+`out` (before the final norm) is the hidden state fed back for the next draft token;
+logits = lm_head(norm(out)). SGLang's extra layers (`BasicDecoderLayer`) start a new
+residual from the previous layer's MLP output; we reproduce that so that multi-layer
+drafters behave the same when served.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+SUPPORTED_ROPE = ("default", "linear", "llama3")
+
+
+# ---------------------------------------------------------------- config
+
+
+def _rope_of(cfg: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) from an HF config, old (rope_theta/rope_scaling) or
+    transformers-5 (rope_parameters) style."""
+    params = dict(cfg.get("rope_parameters") or {})
+    theta = float(cfg.get("rope_theta") or params.pop("rope_theta", None) or 10000.0)
+    params.pop("rope_theta", None)
+    scaling = cfg.get("rope_scaling") or params or None
+    if scaling is None:
+        return theta, None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind not in SUPPORTED_ROPE:
+        # The drafter has its own RoPE; it need not match the target's, only training and serving
+        # must agree. config.json records what we used, so servers apply the same.
+        log.warning("target rope type %r is not supported for the drafter; using plain RoPE", kind)
+        return theta, None
+    return theta, dict(scaling, rope_type=kind)
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary (rows of the frozen embedding)
+    draft_vocab_size: int
+    aux_layer_ids: list[int]  # decoder-layer outputs, 0-based (DESIGN.md §3), in fc input order
+    num_hidden_layers: int = 1
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    ttt_steps: int = 7
+    target: str = ""  # target identity (draftflow.target.target_identity)
+    target_path: str = ""  # where the target (and so the embedding) was read from
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance
+
+    @classmethod
+    def from_target(
+        cls,
+        target_config: dict,
+        *,
+        draft_vocab_size: int,
+        aux_layer_ids: list[int],
+        num_hidden_layers: int = 1,
+        ttt_steps: int = 7,
+        target: str = "",
+        target_path: str = "",
+    ) -> "Eagle3Config":
+        cfg = target_config
+        if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
+            cfg = cfg["text_config"]  # multimodal wrappers keep the LM's config here
+        H, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        theta, scaling = _rope_of(cfg)
+        return cls(
+            hidden_size=H,
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or H // heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            draft_vocab_size=int(draft_vocab_size),
+            aux_layer_ids=[int(i) for i in aux_layer_ids],
+            num_hidden_layers=int(num_hidden_layers),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            ttt_steps=int(ttt_steps),
+            target=target,
+            target_path=target_path,
+        )
+
+    def to_dict(self) -> dict:
+        """config.json: an HF LlamaConfig-style dict that SGLang reads, plus draftflow's record."""
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "torch_dtype": "bfloat16",
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                "use_aux_hidden_state": True,
+            },
+            "draftflow": {
+                "format_version": 1,
+                "aux_layer_ids": list(self.aux_layer_ids),
+                "aux_layer_id_convention": "output of decoder layer i, counted from 0",
+                "ttt_steps": self.ttt_steps,
+                "target": self.target,
+                "target_path": self.target_path,
+                **self.extra,
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Eagle3Config":
+        ours = dict(d.get("draftflow") or {})
+        aux = ours.pop("aux_layer_ids", None) or (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if aux is None:
+            raise ValueError("config has no aux layer ids (draftflow.aux_layer_ids or eagle_config)")
+        theta, scaling = _rope_of(d)
+        known = {"format_version", "aux_layer_id_convention", "ttt_steps", "target", "target_path"}
+        return cls(
+            hidden_size=d["hidden_size"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+            intermediate_size=d["intermediate_size"],
+            vocab_size=d["vocab_size"],
+            draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
+            aux_layer_ids=list(aux),
+            num_hidden_layers=d.get("num_hidden_layers", 1),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            ttt_steps=ours.get("ttt_steps", 7),
+            target=ours.get("target", ""),
+            target_path=ours.get("target_path", ""),
+            extra={k: v for k, v in ours.items() if k not in known},
+        )
+
+    def as_record(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32).to(x.dtype)  # fp32 math, input dtype out (bf16 under autocast)
+
+
+def rope_inv_freq(cfg: Eagle3Config) -> torch.Tensor:
+    """[head_dim/2] fp32 inverse frequencies, with linear or llama3 scaling applied."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq.float()
+    if s["rope_type"] == "linear":
+        return (inv_freq / s["factor"]).float()
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_ctx / wavelen - low) / (high - low)).clamp(0, 1)
+    scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return scaled.float()
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # position_ids [B, S] -> cos, sin [B, 1, S, head_dim] fp32
+        freqs = position_ids[..., None].float() * self.inv_freq.float()  # [B, S, d/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos()[:, None], emb.sin()[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)  # in x's dtype, as HF Llama
+    return x * cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config, in_features: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(in_features, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_features, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_features, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cache: "AttentionCache", layer: int) -> torch.Tensor:
+        B, S, _ = x.shape  # x [B, S, in]
+        q = self.q_proj(x).view(B, S, self.heads, self.head_dim).transpose(1, 2)  # [B, h, S, d]
+        k = self.k_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, S, d]
+        v = self.v_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_heads != self.heads:  # expand GQA heads: keeps SDPA on its fused masked kernels
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        out = cache.attend(layer, q, k, v)  # [B, h, S, d]
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    """The EAGLE-3 layer: attention reads cat(input_layernorm(embed), hidden_norm(h)) [.., 2H]."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, 2 * cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds, hidden, cos, sin, cache, layer: int):
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        residual = hidden + self.self_attn(x, cos, sin, cache, layer)
+        return self.mlp(self.post_attention_layernorm(residual)), residual
+
+
+class FrozenEmbedding(nn.Module):
+    """The target's token embedding: a non-persistent buffer, so it is neither trained, nor
+    sharded or synchronized by DDP/FSDP, nor saved (SGLang shares the target's)."""
+
+    def __init__(self, num: int, dim: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(num, dim, dtype=torch.bfloat16), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class ExtraLayer(nn.Module):
+    """Layers 2.. as SGLang's `BasicDecoderLayer`: the residual restarts from the incoming MLP output."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, hidden, cos, sin, cache, layer: int):
+        residual = hidden + self.self_attn(self.hidden_norm(hidden), cos, sin, cache, layer)
+        return self.mlp(self.post_attention_layernorm(residual)), residual
+
+
+# ---------------------------------------------------------------- attention caches
+
+
+class AttentionCache:
+    """Where a layer's keys/values go and which of them each query sees."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class KVCache(AttentionCache):
+    """Inference cache: new queries see every cached entry plus the new ones up to themselves.
+
+    Entries are in call order (the caller passes positions explicitly); after verification,
+    `crop(n)` drops rejected draft entries.
+    """
+
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers  # [B, h, L, d] each
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+
+    def __len__(self) -> int:
+        return 0 if self.k[0] is None else self.k[0].shape[2]
+
+    def attend(self, layer, q, k, v):
+        if self.k[layer] is not None:
+            k, v = torch.cat([self.k[layer], k], dim=2), torch.cat([self.v[layer], v], dim=2)
+        self.k[layer], self.v[layer] = k, v
+        S, L = q.shape[2], k.shape[2]
+        mask = None
+        if S > 1:  # causal among the new queries, everything before them visible
+            mask = torch.ones(S, L, dtype=torch.bool, device=q.device).tril(L - S)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def crop(self, length: int) -> None:
+        for i in range(len(self.k)):
+            if self.k[i] is not None:
+                self.k[i], self.v[i] = self.k[i][:, :, :length], self.v[i][:, :, :length]
+
+
+def ttt_chunk_mask(start: int, end: int, steps: int, device) -> torch.Tensor:
+    """[c, end + (steps-1)*c] bool (c = end - start), for query rows start..end-1 over the keys
+    cat(step-0 rows 0..end-1, then each later step's rows start..end-1): row j sees step-0
+    keys 0..j and its own key of every later step."""
+    c = end - start
+    causal = torch.ones(c, end, dtype=torch.bool, device=device).tril(start)
+    eye = torch.eye(c, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * (steps - 1), dim=1)
+
+
+class TTTCache(AttentionCache):
+    """Training-time-test cache: step k's query at row j sees the step-0 keys of rows 0..j
+    (target-derived states: the prefix and the chain's anchor) and row j's own keys from
+    steps 1..k (the drafts of its chain) — exactly the drafter's KV cache at inference.
+
+    Queries go in chunks of `chunk` rows: a chunk needs the step-0 keys up to its end and
+    only its own rows of the later steps, so the masked attention costs ~T²/2 + k·chunk·T
+    instead of (k+1)·T² (most of each later step's key block is masked out).
+    """
+
+    def __init__(self, num_layers: int, chunk: int = 256):
+        self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.chunk = chunk
+        self._masks: dict[tuple, torch.Tensor] = {}
+
+    def _mask(self, start: int, end: int, n: int, device) -> torch.Tensor:
+        key = (start, end, n, device)
+        if key not in self._masks:
+            self._masks[key] = ttt_chunk_mask(start, end, n, device)
+        return self._masks[key]
+
+    def attend(self, layer, q, k, v):
+        ks, vs = self.k[layer], self.v[layer]
+        ks.append(k)
+        vs.append(v)
+        n, T = len(ks), q.shape[2]
+        if n == 1:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        outs = []
+        for start in range(0, T, self.chunk):
+            end = min(T, start + self.chunk)
+            K = torch.cat([ks[0][:, :, :end]] + [ki[:, :, start:end] for ki in ks[1:]], dim=2)
+            V = torch.cat([vs[0][:, :, :end]] + [vi[:, :, start:end] for vi in vs[1:]], dim=2)
+            mask = self._mask(start, end, n, q.device)
+            outs.append(F.scaled_dot_product_attention(q[:, :, start:end], K, V, attn_mask=mask))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+# ---------------------------------------------------------------- the model
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 drafter.
+
+    Inference (chain speculative decoding), with `cache = KVCache(drafter.num_layers)`:
+
+    1. after the target verified tokens x_0..x_n and chose the next token x_{n+1}, feed the
+       rows whose cache entries are missing: `h = drafter.fuse(aux)` with aux [B, S, 3, H]
+       the target's aux states at positions p..n, tokens x_{p+1}..x_{n+1} (each row pairs the
+       target state at position i with the token that follows it), positions p..n:
+       `logits, out, cache = drafter.step(tokens, h, positions, cache)`.
+       `logits[:, -1]` gives the first draft token (draft ids; map with `to_target_ids`).
+    2. each further draft token d at position q = n+1, n+2, …: `step(d, out[:, -1:], [q])`,
+       feeding back the drafter's own pre-norm output hidden state.
+    3. after verification accepts m drafts, `cache.crop(n + 1 + m)` … and continue with 1 for
+       the newly verified rows (SGLang's "draft extend").
+    """
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        self.embed_tokens = FrozenEmbedding(cfg.vocab_size, H)  # set it from the target before use
+        self.fc = nn.Linear(len(cfg.aux_layer_ids) * H, H, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.additional_layers = nn.ModuleList(ExtraLayer(cfg) for _ in range(cfg.num_hidden_layers - 1))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.reset_parameters()
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(torch.as_tensor(d2t))
+        self.t2d.copy_(torch.as_tensor(t2d))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [B, S, n_aux, H] or [B, S, n_aux*H] (layer order of `aux_layer_ids`) -> [B, S, H]."""
+        if aux.dim() == 4:
+            aux = aux.flatten(-2)
+        if not torch.is_autocast_enabled(aux.device.type):
+            aux = aux.to(self.fc.weight.dtype)  # e.g. bf16 stored states into an fp32 CPU model
+        return self.fc(aux)
+
+    def forward_hidden(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: AttentionCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [B, S], hidden [B, S, H], position_ids [B, S] -> (logits [B, S, Vd], out [B, S, H])."""
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary(position_ids)
+        x, residual = self.midlayer(embeds, hidden, cos, sin, cache, 0)
+        for i, layer in enumerate(self.additional_layers, start=1):
+            x, residual = layer(x, cos, sin, cache, i)
+        out = x + residual  # pre-norm: fed back as the next draft step's hidden state
+        return self.lm_head(self.norm(out)), out
+
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+        """One inference call (see the class docstring).
+
+        input_ids [B, S] target ids; hidden [B, S, H]: `fuse(aux)` for target-derived rows, or
+        the previous call's `out` for drafted rows; position_ids [B, S].
+        Returns (draft logits [B, S, Vd], out hidden [B, S, H], cache).
+        """
+        cache = KVCache(self.num_layers) if cache is None else cache
+        logits, out = self.forward_hidden(input_ids, hidden, position_ids, cache)
+        return logits, out, cache
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """The SGLang checkpoint tensors (the state dict: the embedding is not part of it)."""
+        return dict(self.state_dict())

@@ -1,0 +1,937 @@
+"""`draftflow train`: train the EAGLE-3 drafter on extracted hidden states (DESIGN.md §3).
+
+Runs as a plain process (one CPU or GPU) or under torchrun (DDP; FSDP optional), gloo on CPU.
+
+Data: samples are read by `storage.HiddenStateReader` in DataLoader workers. Micro-batches
+are packed to `batch_tokens` (padded size = samples × longest) from the index lengths only,
+deterministically per (seed, epoch). One optimizer step consumes world_size × grad_accum
+micro-batches; rank r takes its `grad_accum` of them, so the global batch does not depend on
+how it is spread over processes, and the loss is normalized by the global loss-token count
+(one tiny all-reduce per step) so that DDP equals single-process training on that batch.
+
+State: checkpoints (model, optimizer, scheduler, data position, RNG) live in
+`--state-dir/run-<fingerprint>/`, outside the rule's outputs: a killed run resumes from the
+latest checkpoint, while a run with other settings or data starts afresh in its own folder.
+
+Output (`--output DIR`): config.json + model.safetensors (the SGLang layout, no embedding),
+metrics.jsonl (one row per logged step and per evaluation) and eval.json (final held-out
+evaluation with the simulated acceptance length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from draftflow.drafter import Eagle3Config, Eagle3Drafter
+from draftflow.errors import DraftflowError, where
+from draftflow.jsonl import atomic_path, fsync_dir, read_json, write_json
+from draftflow.ttt import STAT_ROWS, TargetHead, TTTObjective, step_token_counts, summarize
+from draftflow.vocab import DraftVocab, load_vocab
+
+log = logging.getLogger(__name__)
+
+# Settings that change how a run reports, not what it computes: left out of the fingerprint.
+OPERATIONAL = {"num_workers", "log_every_steps", "save_every_steps", "eval_every_steps"}
+
+
+# ---------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """config `train` (config.schema.yaml) plus `aux_layer_ids` (and `grad_accum`)."""
+
+    aux_layer_ids: tuple[int, ...]
+    gpus: int = 0
+    nodes: int = 1
+    num_hidden_layers: int = 1
+    draft_vocab_size: int = 32000
+    ttt_steps: int = 7
+    step_weight_decay: float = 0.8
+    epochs: float = 1.0
+    batch_tokens: int = 8192
+    learning_rate: float = 1e-4
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.02
+    schedule: str = "cosine"
+    grad_clip: float = 0.5
+    seed: int = 0
+    num_workers: int = 2
+    eval_every_steps: int = 0
+    save_every_steps: int = 200
+    log_every_steps: int = 10
+    fsdp: bool = False
+    grad_accum: int = 1  # micro-batches per rank per optimizer step
+
+    @classmethod
+    def from_dict(cls, settings: dict) -> "TrainSettings":
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(settings) - set(known))
+        if unknown:
+            raise DraftflowError(f"train --settings: unknown key(s) {unknown}; expected {sorted(known)}")
+        if "aux_layer_ids" not in settings:
+            raise DraftflowError("train --settings: 'aux_layer_ids' is required (the extracted aux layers, in order)")
+        values = dict(settings, aux_layer_ids=tuple(int(i) for i in settings["aux_layer_ids"]))
+        s = cls(**values)
+        if list(s.aux_layer_ids) != sorted(set(s.aux_layer_ids)):
+            raise DraftflowError(
+                f"train --settings: 'aux_layer_ids' {list(s.aux_layer_ids)} must be strictly increasing: "
+                "serving engines concatenate captured layers in layer order"
+            )
+        if s.schedule not in ("cosine", "linear", "constant"):
+            raise DraftflowError(f"train --settings: 'schedule' must be cosine, linear or constant, got {s.schedule!r}")
+        for name in ("ttt_steps", "batch_tokens", "grad_accum", "num_hidden_layers", "log_every_steps"):
+            if getattr(s, name) < 1:
+                raise DraftflowError(f"train --settings: '{name}' must be >= 1")
+        if s.epochs <= 0:
+            raise DraftflowError("train --settings: 'epochs' must be > 0")
+        return s
+
+    def fingerprint_dict(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in OPERATIONAL}
+
+
+# ---------------------------------------------------------------- data
+
+
+@dataclass
+class Batch:
+    """A padded micro-batch (right padding; padded rows have loss_mask 0)."""
+
+    input_ids: torch.Tensor  # [B, T] int64
+    loss_mask: torch.Tensor  # [B, T] bool
+    aux: torch.Tensor  # [B, T, n_aux*H], stored dtype
+    final: torch.Tensor  # [B, T, H], stored dtype
+    step_tokens: torch.Tensor  # [ttt_steps] int64: loss tokens per TTT step (for global normalization)
+    tokens: int  # real (unpadded) tokens
+
+    def pin_memory(self) -> "Batch":
+        return dataclasses.replace(self, **{k: getattr(self, k).pin_memory() for k in _TENSORS})
+
+    def to(self, device, non_blocking: bool = True) -> "Batch":
+        return dataclasses.replace(
+            self, **{k: getattr(self, k).to(device, non_blocking=non_blocking) for k in _TENSORS}
+        )
+
+
+_TENSORS = ("input_ids", "loss_mask", "aux", "final", "step_tokens")
+
+
+def collate(samples: list, ttt_steps: int) -> Batch:
+    """storage.Sample list -> Batch, padded to the longest sample."""
+    B, T = len(samples), max(s.input_ids.shape[0] for s in samples)
+    first = samples[0].hidden  # [T, L, H]
+    L, H = first.shape[1], first.shape[2]
+    ids = torch.zeros(B, T, dtype=torch.int64)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    aux = torch.zeros(B, T, (L - 1) * H, dtype=first.dtype)
+    final = torch.zeros(B, T, H, dtype=first.dtype)
+    for b, s in enumerate(samples):
+        n = s.input_ids.shape[0]
+        ids[b, :n] = torch.from_numpy(s.input_ids)
+        mask[b, :n] = torch.from_numpy(s.loss_mask.astype(bool))
+        aux[b, :n] = s.aux.reshape(n, -1)
+        final[b, :n] = s.final
+    return Batch(
+        ids, mask, aux, final, step_token_counts(mask, ttt_steps), int(sum(s.input_ids.shape[0] for s in samples))
+    )
+
+
+class SampleDataset(torch.utils.data.Dataset):
+    """Index -> storage.Sample; the reader holds only paths and small arrays, so it pickles to workers."""
+
+    def __init__(self, reader):
+        self.reader = reader
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, i: int):
+        return self.reader[i]
+
+
+def plan_batches(
+    lengths: np.ndarray, batch_tokens: int, seed: int, epoch: int, shuffle: bool = True
+) -> list[list[int]]:
+    """Pack sample indices into micro-batches of at most `batch_tokens` padded tokens.
+
+    Deterministic in (lengths, batch_tokens, seed, epoch). Samples are shuffled, sorted by length
+    inside windows of 1024 (little padding, still random), packed greedily, and the batch order
+    is shuffled. A sample longer than `batch_tokens` gets a batch of its own.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(lengths)) if shuffle else np.arange(len(lengths))
+    batches: list[list[int]] = []
+    window = 1024
+    for start in range(0, len(order), window):
+        chunk = order[start : start + window]
+        chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+        current: list[int] = []
+        longest = 0
+        for i in chunk.tolist():
+            longest_if = max(longest, int(lengths[i]))
+            if current and longest_if * (len(current) + 1) > batch_tokens:
+                batches.append(current)
+                current, longest_if = [], int(lengths[i])
+            current.append(i)
+            longest = longest_if
+        if current:
+            batches.append(current)
+    if shuffle:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return batches
+
+
+@dataclass
+class EpochPlan:
+    epoch: int
+    batches: list[list[int]]  # all micro-batches of the epoch, global order
+    steps: int  # optimizer steps taken in this epoch
+
+    def rank_batches(self, step: int, rank: int, world_size: int, grad_accum: int) -> list[list[int]]:
+        """This rank's micro-batches of the epoch's `step`-th optimizer step."""
+        group = world_size * grad_accum
+        start = step * group + rank * grad_accum
+        return self.batches[start : start + grad_accum]
+
+
+def plan_epochs(lengths: np.ndarray, s: TrainSettings, world_size: int) -> list[EpochPlan]:
+    """Every epoch's plan; a fractional last epoch takes that share of its steps."""
+    group = world_size * s.grad_accum
+    plans = []
+    for e in range(math.ceil(s.epochs)):
+        batches = plan_batches(lengths, s.batch_tokens, s.seed, e)
+        steps = len(batches) // group
+        if steps == 0:
+            raise DraftflowError(
+                f"only {len(batches)} micro-batches of {s.batch_tokens} tokens for {world_size} process(es) × "
+                f"grad_accum {s.grad_accum}: add training data or lower train.batch_tokens"
+            )
+        frac = s.epochs - e
+        if frac < 1:
+            steps = max(1, round(frac * steps))
+        plans.append(EpochPlan(e, batches, steps))
+    return plans
+
+
+def make_loader(reader, batch_lists: list[list[int]], s: TrainSettings, device: torch.device):
+    """DataLoader over fixed micro-batches: worker processes decode, the main process pins."""
+    from functools import partial
+
+    workers = s.num_workers
+    return torch.utils.data.DataLoader(
+        SampleDataset(reader),
+        batch_sampler=batch_lists,
+        collate_fn=partial(collate, ttt_steps=s.ttt_steps),
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        prefetch_factor=4 if workers else None,
+        persistent_workers=False,
+    )
+
+
+# ---------------------------------------------------------------- target, drafter files
+
+
+def _target_config(target_dir: Path) -> dict:
+    try:
+        return read_json(Path(target_dir) / "config.json")
+    except FileNotFoundError:
+        raise DraftflowError(f"{target_dir}: no config.json; --target must be the target model folder") from None
+
+
+def load_target_tensors(target_dir: str | Path) -> dict[str, torch.Tensor]:
+    """{"embed": [V, H], "lm_head": [V, H]} from the target's safetensors, reading only those two."""
+    from safetensors import safe_open
+
+    target_dir = Path(target_dir)
+    index = target_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index)["weight_map"]
+    else:
+        files = sorted(target_dir.glob("*.safetensors"))
+        if not files:
+            raise DraftflowError(f"{target_dir}: no *.safetensors weights (other formats are not supported)")
+        weight_map = {}
+        for f in files:
+            with safe_open(str(f), "pt") as h:
+                weight_map.update({k: f.name for k in h.keys()})
+
+    def find(suffix: str) -> str | None:
+        names = sorted((n for n in weight_map if n == suffix or n.endswith("." + suffix)), key=len)
+        return names[0] if names else None
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(target_dir / weight_map[name]), "pt") as h:
+            return h.get_tensor(name)
+
+    embed_name = find("embed_tokens.weight")
+    if embed_name is None:
+        raise DraftflowError(f"{target_dir}: no '*embed_tokens.weight' tensor in the weights")
+    cfg = _target_config(target_dir)
+    head_name = find("lm_head.weight")
+    tied = cfg.get("tie_word_embeddings", False) or head_name is None
+    embed = read(embed_name)
+    return {"embed": embed, "lm_head": embed if tied else read(head_name)}
+
+
+def build_drafter(
+    s: TrainSettings, target_dir: Path, vocab: DraftVocab, embed_dtype: torch.dtype = torch.float32
+) -> tuple[Eagle3Drafter, TargetHead, Eagle3Config]:
+    """A fresh drafter (seeded) with the target's frozen embedding, plus the target's LM head."""
+    from draftflow.target import target_identity
+
+    tcfg = _target_config(target_dir)
+    cfg = Eagle3Config.from_target(
+        tcfg, draft_vocab_size=vocab.size, aux_layer_ids=list(s.aux_layer_ids), num_hidden_layers=s.num_hidden_layers,
+        ttt_steps=s.ttt_steps, target=target_identity(target_dir), target_path=str(Path(target_dir).resolve()),
+    )  # fmt: skip
+    if vocab.t2d.shape[0] != cfg.vocab_size:
+        raise DraftflowError(
+            f"draft vocabulary covers {vocab.t2d.shape[0]} target ids, the target has {cfg.vocab_size}"
+        )
+    if vocab.size != min(s.draft_vocab_size, cfg.vocab_size):
+        raise DraftflowError(
+            f"the draft vocabulary file has {vocab.size} tokens but train.draft_vocab_size is {s.draft_vocab_size}; "
+            "rebuild it with `draftflow vocab`"
+        )
+    torch.manual_seed(s.seed)
+    drafter = Eagle3Drafter(cfg)
+    tensors = load_target_tensors(target_dir)
+    if tuple(tensors["embed"].shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise DraftflowError(
+            f"{target_dir}: embedding shape {tuple(tensors['embed'].shape)} does not match config.json"
+        )
+    drafter.embed_tokens.weight = tensors["embed"].to(embed_dtype)
+    target_ids = torch.from_numpy(vocab.target_ids)
+    with torch.no_grad():  # start from the target's head rows: logits begin in the right space
+        drafter.lm_head.weight.copy_(tensors["lm_head"][target_ids].float())
+    drafter.set_vocab(torch.from_numpy(vocab.d2t), torch.from_numpy(vocab.t2d))
+    return drafter, TargetHead(tensors["lm_head"], torch.from_numpy(vocab.t2d)), cfg
+
+
+def save_drafter(
+    drafter: Eagle3Drafter,
+    out_dir: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    extra_files: dict | None = None,
+    state: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Write out_dir/config.json + model.safetensors (SGLang names; floats as `dtype`).
+
+    `state`: the tensors to write when the drafter's own are sharded (see `gather_state`).
+    """
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = drafter.export_state_dict() if state is None else state
+    tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in state.items()}
+    with atomic_path(out_dir / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    config = drafter.config.to_dict()
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    write_json(out_dir / "config.json", config)
+    for name, obj in (extra_files or {}).items():
+        write_json(out_dir / name, obj)
+
+
+def load_drafter(
+    path: str | Path,
+    target_dir: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Eagle3Drafter, Eagle3Config]:
+    """(drafter in eval mode, config) from a `save_drafter` folder; the frozen embedding comes
+    from `target_dir`, else from the target path recorded in config.json."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        cfg = Eagle3Config.from_dict(read_json(path / "config.json"))
+    except FileNotFoundError:
+        raise DraftflowError(f"{path}: no config.json; not a drafter folder") from None
+    except (KeyError, ValueError) as e:
+        raise DraftflowError(f"{path / 'config.json'}: not an EAGLE-3 drafter config: {e}") from None
+    drafter = Eagle3Drafter(cfg)
+    tensors = load_file(str(path / "model.safetensors"))
+    missing, unexpected = drafter.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise DraftflowError(f"{path / 'model.safetensors'}: missing tensors {missing}, unexpected {unexpected}")
+    target_dir = Path(target_dir or cfg.target_path or "")
+    if not (target_dir / "config.json").is_file():
+        raise DraftflowError(
+            f"{path}: the drafter needs its target's embedding; pass the target folder (recorded: {cfg.target_path!r})"
+        )
+    drafter.embed_tokens.weight = load_target_tensors(target_dir)["embed"]
+    return drafter.to(device=device, dtype=dtype).eval(), cfg
+
+
+# ---------------------------------------------------------------- distributed
+
+
+@dataclass
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(t)
+        return t
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+def init_distributed(gpus: int) -> DistEnv:
+    """Read torchrun's environment; one GPU per process when gpus > 0, else CPU with gloo."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if gpus > 0:
+        if not torch.cuda.is_available():
+            raise DraftflowError(
+                f"train.gpus is {gpus} but no CUDA device is visible; set train.gpus: 0 to train on CPU"
+            )
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        backend = os.environ.get("DRAFTFLOW_DIST_BACKEND") or (
+            "nccl" if device.type == "cuda" else "gloo"
+        )  # launch-train sets it
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    return DistEnv(rank, world, local, device)
+
+
+def wrap_parallel(objective: TTTObjective, env: DistEnv, fsdp: bool) -> nn.Module:
+    if env.world_size == 1:
+        return objective
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in [objective.drafter.midlayer, *objective.drafter.additional_layers]:
+            fully_shard(layer)
+        return fully_shard(objective)
+    # frozen embedding and vocab buffers never change: no per-step buffer broadcast
+    ids = [env.device.index] if env.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(objective, device_ids=ids, broadcast_buffers=False)
+
+
+# ---------------------------------------------------------------- optimization
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the base learning rate at optimizer step `step` (0-based)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+    return min_ratio + (1 - min_ratio) * shape
+
+
+def make_optimizer(drafter: Eagle3Drafter, s: TrainSettings, total_steps: int, fused: bool):
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": s.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # norms
+    ]
+    opt = torch.optim.AdamW(groups, lr=s.learning_rate, betas=(0.9, 0.95), fused=fused or None)
+    warmup = round(s.warmup_ratio * total_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: lr_factor(step, total_steps, warmup, s.schedule, s.min_lr_ratio)
+    )
+    return opt, sched
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on GPU (fp32 master weights); plain fp32 on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_step(
+    model: nn.Module,
+    target_head: TargetHead,
+    micro_batches: Sequence[Batch],
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    env: DistEnv,
+    grad_clip: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over this rank's micro-batches (already on the device).
+
+    Returns (summed stats [len(STAT_ROWS), steps], grad norm), device tensors: no host sync.
+    """
+    normalizer = env.all_reduce(torch.stack([mb.step_tokens for mb in micro_batches]).sum(0).to(env.device))
+    stats = None
+    for i, mb in enumerate(micro_batches):
+        sync = i == len(micro_batches) - 1
+        no_sync = model.no_sync() if (not sync and hasattr(model, "no_sync")) else contextlib.nullcontext()
+        with no_sync:
+            with autocast(env.device):
+                target = target_head(mb.final)
+                loss, s = model(mb.input_ids, mb.loss_mask, mb.aux, target.probs, target.argmax, normalizer)
+            # DDP averages gradients over ranks; the loss is already a global mean
+            (loss * env.world_size).backward()
+        stats = s if stats is None else stats + s
+    params = [p for p in model.parameters() if p.requires_grad]
+    if grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:
+        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return stats, grad_norm
+
+
+def shard_eval_batches(batches: list[list[int]], rank: int, world_size: int) -> tuple[list[list[int]], list[bool]]:
+    """Round-robin eval batches, padded so every rank runs as many forwards (FSDP gathers
+    parameters collectively); padding repeats a batch whose statistics are dropped."""
+    if not batches:
+        return [], []
+    per_rank = -(-len(batches) // world_size)
+    idx = [rank + i * world_size for i in range(per_rank)]
+    return [batches[j % len(batches)] for j in idx], [j < len(batches) for j in idx]
+
+
+@torch.no_grad()
+def evaluate(
+    objective: TTTObjective, target_head: TargetHead, loader, env: DistEnv, steps: int, keep: Sequence[bool]
+) -> torch.Tensor:
+    """Summed TTT statistics over this rank's eval batches (those marked `keep`), all-reduced."""
+    objective.eval()
+    total = torch.zeros(len(STAT_ROWS), steps, dtype=torch.float64, device=env.device)
+    for batch, kept in zip(loader, keep, strict=True):
+        batch = batch.to(env.device)
+        with autocast(env.device):
+            target = target_head(batch.final)
+            _, s = objective(batch.input_ids, batch.loss_mask, batch.aux, target.probs, target.argmax)
+        if kept:
+            total += s
+    objective.train()
+    return env.all_reduce(total)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def run_fingerprint(s: TrainSettings, world_size: int, train_ranges, eval_ranges, target_dir, vocab_path) -> str:
+    """What determines the training trajectory: a resume is only valid under the same fingerprint."""
+    from draftflow.target import target_identity
+
+    def ranges(dirs):
+        return [[Path(d).name, _sha256_file(Path(d) / "index.json")] for d in dirs]
+
+    description = {
+        "settings": s.fingerprint_dict(),
+        "world_size": world_size,
+        "train": ranges(train_ranges),
+        "eval": ranges(eval_ranges),
+        "target": target_identity(target_dir),
+        "vocab": _sha256_file(Path(vocab_path)),
+    }
+    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Progress:
+    global_step: int = 0  # optimizer steps done
+    epoch: int = 0  # epoch of the next step
+    epoch_step: int = 0  # index of the next step within its epoch
+    best_eval_loss: float = math.inf
+    last_eval: dict | None = None  # summary of the latest evaluation
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def gather_state(model: nn.Module, drafter: Eagle3Drafter, fsdp: bool) -> dict[str, torch.Tensor]:
+    """The drafter's full state dict (export names). Under FSDP a collective: call it on every
+    rank; rank 0 gets the tensors, the others an empty dict."""
+    if not fsdp:
+        return drafter.export_state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k.removeprefix("drafter."): v for k, v in full.items()}
+
+
+def _model_optim_state(model: nn.Module, drafter: Eagle3Drafter, optimizer, fsdp: bool) -> tuple[dict, dict]:
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return gather_state(model, drafter, fsdp), get_optimizer_state_dict(model, optimizer, options=opts)
+    return drafter.export_state_dict(), optimizer.state_dict()
+
+
+class CheckpointDir:
+    """run_dir/ckpt/step-N/{state.pt, rng-<rank>.pt}; run_dir/latest.json names the complete one."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.latest_file = self.run_dir / "latest.json"
+
+    def latest(self) -> Path | None:
+        if not self.latest_file.is_file():
+            return None
+        path = self.run_dir / read_json(self.latest_file)["path"]
+        return path if (path / "state.pt").is_file() else None
+
+    def save(self, env: DistEnv, model, drafter, optimizer, scheduler, progress: Progress, fsdp: bool) -> Path:
+        name = f"ckpt/step-{progress.global_step:09d}"
+        folder = self.run_dir / name
+        model_state, optim_state = _model_optim_state(model, drafter, optimizer, fsdp)
+        if env.is_main:
+            folder.mkdir(parents=True, exist_ok=True)
+            state = {"model": model_state, "optimizer": optim_state, "scheduler": scheduler.state_dict(),
+                     "progress": dataclasses.asdict(progress)}  # fmt: skip
+            with atomic_path(folder / "state.pt") as tmp:
+                torch.save(state, tmp)
+        env.barrier()
+        with atomic_path(folder / f"rng-{env.rank}.pt") as tmp:
+            torch.save(_rng_state(), tmp)
+        env.barrier()
+        if env.is_main:  # the pointer moves only once every rank's files are on disk
+            previous = self.latest()
+            write_json(self.latest_file, {"path": name, "step": progress.global_step})
+            if previous is not None and previous != folder:
+                shutil.rmtree(previous, ignore_errors=True)
+        return folder
+
+    def load(self, env: DistEnv, model, drafter, optimizer, scheduler, fsdp: bool) -> Progress | None:
+        folder = self.latest()
+        if folder is None:
+            return None
+        state = torch.load(folder / "state.pt", map_location="cpu", weights_only=False)
+        if fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            msd = {f"drafter.{k}": v for k, v in state["model"].items()}
+            set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=state["optimizer"],
+                           options=StateDictOptions(full_state_dict=True, strict=False))  # fmt: skip
+        else:
+            missing, unexpected = drafter.load_state_dict(state["model"], strict=False)
+            if missing or unexpected:
+                raise DraftflowError(f"{folder}: checkpoint does not match the drafter ({missing}, {unexpected})")
+            optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        rng = folder / f"rng-{env.rank}.pt"
+        if rng.is_file():
+            _set_rng_state(torch.load(rng, weights_only=False))
+        return Progress(**state["progress"])
+
+
+# ---------------------------------------------------------------- metrics
+
+
+class MetricsLog:
+    """metrics.jsonl in the run folder (rank 0 writes). On resume, rows after the checkpoint go."""
+
+    def __init__(self, path: Path, env: DistEnv):
+        self.path, self.env = Path(path), env
+
+    def truncate_after(self, step: int) -> None:
+        if not self.env.is_main or not self.path.is_file():
+            return
+        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        keep = [r for r in rows if r["step"] <= step]
+        with atomic_path(self.path) as tmp:
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+
+    def write(self, row: dict) -> None:
+        if self.env.is_main:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def _fmt(values: list[float]) -> str:
+    return " ".join(f"{v:.3f}" for v in values)
+
+
+# ---------------------------------------------------------------- the run
+
+
+@dataclass
+class TrainInputs:
+    train_ranges: list[Path]
+    eval_ranges: list[Path]
+    target: Path
+    vocab: Path
+    state_dir: Path
+    output: Path
+
+
+def _check_ranges(reader, cfg: Eagle3Config, label: str) -> None:
+    from draftflow.storage import read_range_index
+
+    for d in reader.range_dirs:
+        meta, _ = read_range_index(d)
+        if meta.get("hidden_size") != cfg.hidden_size or meta.get("num_layers_captured") != len(cfg.aux_layer_ids) + 1:
+            raise DraftflowError(
+                f"{d / 'index.json'}: {label} hidden states have H={meta.get('hidden_size')} and "
+                f"{meta.get('num_layers_captured')} layers; the drafter needs H={cfg.hidden_size} and "
+                f"{len(cfg.aux_layer_ids)} aux layers + the final state"
+            )
+        ids = meta.get("aux_layer_ids")
+        if ids is not None and list(ids) != list(cfg.aux_layer_ids):
+            where_ = where(d / "index.json", field="meta.aux_layer_ids")
+            raise DraftflowError(f"{where_}: {ids}, but train.aux_layer_ids is {list(cfg.aux_layer_ids)}")
+
+
+def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = None) -> dict:
+    """Train (resuming when the state folder has a checkpoint of this exact run); returns the final eval summary."""
+    from draftflow.storage import HiddenStateReader
+
+    env = env or init_distributed(s.gpus)
+    cuda = env.device.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    vocab = load_vocab(inputs.vocab)
+    drafter, target_head, cfg = build_drafter(
+        s, inputs.target, vocab, embed_dtype=torch.bfloat16 if cuda else torch.float32
+    )
+    train_reader, eval_reader = HiddenStateReader(inputs.train_ranges), HiddenStateReader(inputs.eval_ranges)
+    if len(train_reader) == 0:
+        raise DraftflowError("no training samples in --train-ranges")
+    _check_ranges(train_reader, cfg, "train")
+    _check_ranges(eval_reader, cfg, "eval")
+
+    plans = plan_epochs(train_reader.lengths, s, env.world_size)
+    total_steps = sum(p.steps for p in plans)
+    eval_batches, eval_keep = shard_eval_batches(
+        plan_batches(eval_reader.lengths, s.batch_tokens, s.seed, 0, shuffle=False), env.rank, env.world_size
+    )
+
+    drafter.to(env.device)
+    target_head.to(env.device, dtype=torch.bfloat16 if cuda else torch.float32)
+    objective = TTTObjective(drafter, s.ttt_steps, s.step_weight_decay)
+    model = wrap_parallel(objective, env, s.fsdp and env.world_size > 1)
+    optimizer, scheduler = make_optimizer(drafter, s, total_steps, fused=cuda)
+    fsdp = s.fsdp and env.world_size > 1
+
+    fp = run_fingerprint(s, env.world_size, inputs.train_ranges, inputs.eval_ranges, inputs.target, inputs.vocab)
+    run_dir = Path(inputs.state_dir) / f"run-{fp}"
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        record = {"fingerprint": fp, "settings": dataclasses.asdict(s), "world_size": env.world_size,
+                  "train_ranges": [str(p) for p in inputs.train_ranges], "target": str(inputs.target)}  # fmt: skip
+        write_json(run_dir / "run.json", record)
+    env.barrier()
+    ckpt = CheckpointDir(run_dir)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", env)
+    progress = ckpt.load(env, model, drafter, optimizer, scheduler, fsdp) or Progress()
+    if progress.global_step:
+        log.info(
+            "resuming from step %d (epoch %d, step %d of it) in %s",
+            progress.global_step,
+            progress.epoch,
+            progress.epoch_step,
+            run_dir,
+        )
+    metrics.truncate_after(progress.global_step)
+    env.barrier()
+    log.info(
+        "training %d steps (%s epochs) on %d process(es), %s; %d train / %d eval samples; %.4gM trainable params",
+        total_steps, s.epochs, env.world_size, env.device, len(train_reader), len(eval_reader),
+        sum(p.numel() for p in drafter.parameters() if p.requires_grad) / 1e6,
+    )  # fmt: skip
+
+    def run_eval(epoch: int) -> dict | None:
+        if len(eval_reader) == 0:
+            return None
+        loader = make_loader(eval_reader, eval_batches, s, env.device)
+        summary = summarize(evaluate(objective, target_head, loader, env, s.ttt_steps, eval_keep), s.step_weight_decay)
+        metrics.write({"kind": "eval", "step": progress.global_step, "epoch": epoch, **summary})
+        progress.last_eval = summary
+        log.info("eval step %d | loss %.4f | acc %s | alpha %s | tau %.3f", progress.global_step, summary["loss"],
+                 _fmt(summary["step_accuracy"]), _fmt(summary["step_alpha"]), summary["tau"])  # fmt: skip
+        if summary["loss"] < progress.best_eval_loss:  # the same on every rank (all-reduced)
+            progress.best_eval_loss = summary["loss"]
+            state = gather_state(model, drafter, fsdp)
+            if env.is_main:
+                _save_best(drafter, state, run_dir / "best", summary, progress.global_step)
+        return summary
+
+    stats_acc = torch.zeros(len(STAT_ROWS), s.ttt_steps, dtype=torch.float64, device=env.device)
+    window = {"tokens": 0, "data_s": 0.0, "t0": time.perf_counter(), "steps": 0}
+    last_eval = progress.last_eval
+    for plan in plans[progress.epoch :]:
+        first = progress.epoch_step if plan.epoch == progress.epoch else 0
+        mine = [
+            b
+            for step in range(first, plan.steps)
+            for b in plan.rank_batches(step, env.rank, env.world_size, s.grad_accum)
+        ]
+        batches = iter(make_loader(train_reader, mine, s, env.device))
+        for step in range(first, plan.steps):
+            t_data = time.perf_counter()
+            micro = [next(batches).to(env.device) for _ in range(s.grad_accum)]
+            window["data_s"] += time.perf_counter() - t_data
+            stats, grad_norm = train_step(model, target_head, micro, optimizer, scheduler, env, s.grad_clip)
+            stats_acc += stats
+            window["tokens"] += sum(mb.tokens for mb in micro)
+            window["steps"] += 1
+            progress.global_step += 1
+            progress.epoch, progress.epoch_step = plan.epoch, step + 1
+
+            if progress.global_step % s.log_every_steps == 0 or progress.global_step == total_steps:
+                _log_train(env, metrics, progress, plan.epoch, total_steps, scheduler, stats_acc, grad_norm, window, s)
+                stats_acc.zero_()
+                window = {"tokens": 0, "data_s": 0.0, "t0": time.perf_counter(), "steps": 0}
+            end_of_epoch = step + 1 == plan.steps
+            if end_of_epoch or (s.eval_every_steps and progress.global_step % s.eval_every_steps == 0):
+                last_eval = run_eval(plan.epoch)
+            if end_of_epoch:
+                progress.epoch, progress.epoch_step = plan.epoch + 1, 0
+            if (
+                s.save_every_steps and progress.global_step % s.save_every_steps == 0
+            ) or progress.global_step == total_steps:
+                ckpt.save(env, model, drafter, optimizer, scheduler, progress, fsdp)
+
+    if last_eval is None:  # no eval split, or a checkpoint without an evaluation
+        last_eval = run_eval(max(0, progress.epoch - 1))
+    if last_eval is None:
+        log.warning("no eval samples: the summary has no held-out acceptance length")
+    summary = {
+        "simulated_acceptance_length": last_eval["tau"] if last_eval else None,
+        "acceptance_kind": "simulated (teacher-forced on the eval split)",
+        **(last_eval or {}),
+        "best_eval_loss": progress.best_eval_loss if last_eval else None,
+        "steps": progress.global_step,
+        "train_tokens": sum(
+            int(train_reader.lengths[b].sum())
+            for p in plans
+            for b in p.batches[: p.steps * env.world_size * s.grad_accum]
+        ),
+        "world_size": env.world_size,
+        "fingerprint": fp,
+    }
+    state = gather_state(model, drafter, fsdp)
+    if env.is_main:
+        out = Path(inputs.output)
+        save_drafter(drafter, out, extra_files={"eval.json": summary}, state=state)
+        with atomic_path(out / "metrics.jsonl") as tmp:
+            shutil.copyfile(run_dir / "metrics.jsonl", tmp)
+        fsync_dir(out)
+        log.info("final drafter in %s (simulated tau %s)", out, summary["simulated_acceptance_length"])
+    env.barrier()
+    return summary
+
+
+def _save_best(drafter: Eagle3Drafter, state: dict, folder: Path, summary: dict, step: int) -> None:
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_drafter(drafter, tmp, dtype=torch.float32, extra_files={"eval.json": dict(summary, step=step)}, state=state)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    fsync_dir(folder.parent)
+
+
+def _log_train(env, metrics, progress, epoch, total_steps, scheduler, stats_acc, grad_norm, window, s) -> None:
+    """Once per log interval: one all-reduce and one host sync."""
+    packed = torch.cat(
+        [stats_acc.flatten(), torch.tensor([float(window["tokens"])], dtype=torch.float64, device=env.device)]
+    )
+    packed = env.all_reduce(packed).cpu()
+    summary = summarize(packed[:-1].view_as(stats_acc), s.step_weight_decay)
+    tokens = int(packed[-1])
+    elapsed = time.perf_counter() - window["t0"]
+    row = {
+        "kind": "train", "step": progress.global_step, "epoch": epoch, "lr": scheduler.get_last_lr()[0],
+        "loss": summary["loss"], "step_loss": summary["step_loss"], "step_accuracy": summary["step_accuracy"],
+        "step_alpha": summary["step_alpha"], "tau": summary["tau"], "grad_norm": float(grad_norm),
+        "tokens": tokens, "tokens_per_s": tokens / elapsed, "data_wait": window["data_s"] / elapsed,
+    }  # fmt: skip
+    metrics.write(row)
+    log.info(
+        "step %d/%d | loss %.4f | acc %s | lr %.2e | %.0f tok/s | grad %.3f | data %.1f%%",
+        progress.global_step, total_steps, row["loss"], _fmt(row["step_accuracy"]), row["lr"],
+        row["tokens_per_s"], row["grad_norm"], 100 * row["data_wait"],
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
+    from draftflow.cli import settings_arg
+
+    parser.add_argument(
+        "--train-ranges", nargs="+", required=True, type=Path, help="range folders (index.json) to train on"
+    )
+    parser.add_argument("--eval-ranges", nargs="+", default=[], type=Path, help="held-out range folders")
+    parser.add_argument("--target", required=True, type=Path, help="target model folder (embedding, LM head)")
+    parser.add_argument("--vocab", required=True, type=Path, help="draft_vocab.safetensors from `draftflow vocab`")
+    parser.add_argument("--settings", required=True, type=settings_arg, help="config `train` + aux_layer_ids, as JSON")
+    parser.add_argument("--state-dir", required=True, type=Path, help="resume state (outside the rule's outputs)")
+    parser.add_argument("--output", required=True, type=Path, help="final drafter folder")
+
+
+def main(args: argparse.Namespace) -> int:
+    settings = TrainSettings.from_dict(args.settings)
+    env = init_distributed(settings.gpus)
+    if not env.is_main:
+        logging.getLogger().setLevel(logging.WARNING)
+    try:
+        inputs = TrainInputs(
+            list(args.train_ranges), list(args.eval_ranges), args.target, args.vocab, args.state_dir, args.output
+        )
+        run_training(inputs, settings, env)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

@@ -1,0 +1,217 @@
+"""Training-time test (TTT): the EAGLE-3 unroll, its loss, and simulated acceptance.
+
+Notation: tokens x_0..x_{T-1}; a_t the target's aux states and z_t its logits after reading
+x_0..x_t (z_t predicts x_{t+1}); m_t = 1 when x_t is a loss (assistant) token.
+
+Row j at step k is the (k+1)-th draft of a chain anchored at row j, as at inference:
+  * input token x_{j+1+k} (teacher forced), position j+k;
+  * hidden state fc(a_j) at step 0, the drafter's own output of row j at step k-1 after;
+  * attention: the step-0 keys of rows 0..j (target-derived) and row j's keys of steps
+    1..k (its own drafts), see `drafter.TTTCache`;
+  * target: softmax of z_{j+1+k} over the draft vocabulary; weight m_{j+2+k} (the token it
+    predicts is a loss token) and step weight decay**k.
+Rows whose target argmax is not in the draft vocabulary are left out of the loss (the
+restricted softmax would teach a distribution without the right token in it) but still
+count in the normalizer and as misses in accuracy and acceptance: the drafter can never
+propose that token. Each step's loss is normalized by its number of loss tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftflow.drafter import Eagle3Drafter, TTTCache
+
+# rows of the per-step statistics tensor [len(STAT_ROWS), steps]
+STAT_ROWS = ("loss_sum", "tokens", "correct", "chain_hits", "chain_trials")
+
+
+def shift_left(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
+    """x [B, T, ...] -> y with y[:, j] = x[:, j+n], padded with `fill` at the end."""
+    pad = x.new_full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def unroll(
+    drafter: Eagle3Drafter, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, attn_chunk: int = 256
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield (logits [B, T, Vd], out hidden [B, T, H]) for TTT steps 0..steps-1.
+
+    input_ids [B, T] (right-padded), aux [B, T, n_aux*H] or [B, T, n_aux, H].
+    attn_chunk: query rows per attention call (speed only, see `drafter.TTTCache`).
+    """
+    B, T = input_ids.shape
+    positions = torch.arange(T, device=input_ids.device).expand(B, T)
+    hidden = drafter.fuse(aux)
+    cache = TTTCache(drafter.num_layers, attn_chunk)
+    for k in range(steps):
+        logits, hidden = drafter.forward_hidden(shift_left(input_ids, 1 + k), hidden, positions + k, cache)
+        yield logits, hidden
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """-Σ_v p_v log softmax(logits)_v per row, without keeping fp32 log-probabilities for backward.
+
+    d/dlogits = (softmax(logits) - p) · grad, recomputed from the saved (bf16) logits: saves a
+    [rows, Vd] fp32 tensor per TTT step and several passes over it.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        lse = torch.logsumexp(lf, dim=-1)  # [..]
+        ce = lse - (p * lf).sum(-1)  # Σp = 1
+        ctx.save_for_backward(logits, p, lse)
+        return ce
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, p, lse = ctx.saved_tensors
+        g = logits.to(lse.dtype, copy=True).sub_(lse[..., None]).exp_().sub_(p).mul_(grad[..., None])
+        return g.to(logits.dtype), None
+
+
+@dataclass
+class TargetInfo:
+    probs: torch.Tensor  # [B, T, Vd] fp32: target softmax over the draft vocabulary at each t
+    argmax: torch.Tensor  # [B, T] int64: draft id of the target's argmax, -1 if not in the draft vocab
+
+
+class TargetHead(nn.Module):
+    """The target's frozen LM head applied to stored final (post-norm) states."""
+
+    def __init__(self, weight: torch.Tensor, t2d: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight.detach().clone(), persistent=False)  # [V, H]
+        draft_ids = torch.nonzero(t2d, as_tuple=True)[0]  # [Vd] target ids, ascending = draft order
+        to_draft = torch.full((t2d.shape[0],), -1, dtype=torch.int64)
+        to_draft[draft_ids] = torch.arange(draft_ids.numel())
+        self.register_buffer("draft_ids", draft_ids, persistent=False)
+        self.register_buffer("to_draft", to_draft, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, final: torch.Tensor, chunk_tokens: int = 4096) -> TargetInfo:
+        B, T, H = final.shape
+        flat = final.reshape(B * T, H)
+        probs, argmax = [], []
+        for rows in flat.split(chunk_tokens):  # bounds the [n, V] logits buffer
+            z = _logits_fp32(rows, self.weight)  # [n, V]
+            argmax.append(self.to_draft[z.argmax(-1)])
+            probs.append(torch.softmax(z[:, self.draft_ids].float(), dim=-1))
+        return TargetInfo(torch.cat(probs).view(B, T, -1), torch.cat(argmax).view(B, T))
+
+
+def _logits_fp32(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows @ weight.T with fp32 output: bf16 logits would round soft targets by up to ~0.1 nats."""
+    if weight.dtype in (torch.bfloat16, torch.float16) and rows.is_cuda:
+        try:  # bf16 inputs, fp32 accumulate and output, at bf16 speed (CUDA, torch >= 2.8)
+            return torch.mm(rows.to(weight.dtype), weight.T, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            pass
+    return rows.float() @ weight.float().T
+
+
+class TTTObjective(nn.Module):
+    """The training forward as one module call (what DDP/FSDP wrap): TTT loss and statistics."""
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float):
+        super().__init__()
+        self.drafter, self.steps, self.decay = drafter, steps, decay
+
+    def forward(self, input_ids, loss_mask, aux, target_probs, target_argmax, normalizer=None):
+        result = ttt_loss(
+            self.drafter, input_ids, loss_mask, aux, TargetInfo(target_probs, target_argmax),
+            self.steps, self.decay, normalizer,
+        )  # fmt: skip
+        return result.loss, result.stats
+
+
+@dataclass
+class TTTResult:
+    loss: torch.Tensor  # scalar, differentiable
+    stats: torch.Tensor  # [len(STAT_ROWS), steps] float64, detached; sums, so they add across batches
+
+
+def step_token_counts(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """[steps] int64: loss tokens of each TTT step (m_{j+2+k} summed over valid rows)."""
+    m = loss_mask.to(torch.int64)
+    return torch.stack([m[:, 2 + k :].sum() for k in range(steps)])
+
+
+def ttt_loss(
+    drafter: Eagle3Drafter,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    aux: torch.Tensor,
+    target: TargetInfo,
+    steps: int,
+    decay: float = 0.8,
+    normalizer: torch.Tensor | None = None,
+) -> TTTResult:
+    """Unroll `steps` TTT steps and return the loss and per-step statistics.
+
+    input_ids, loss_mask [B, T]; aux [B, T, n_aux*H]; target from `TargetHead`.
+    normalizer [steps]: loss tokens per step to divide by (pass the global count under
+    data parallelism); default: this batch's own counts.
+    """
+    B, T = input_ids.shape
+    mask = loss_mask.bool()
+    if normalizer is None:
+        normalizer = step_token_counts(mask, steps)
+    normalizer = normalizer.to(input_ids.device).clamp(min=1)
+    chain_ok = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)  # rows with no miss yet
+    loss = torch.zeros((), device=input_ids.device)
+    stats = []
+    for k, (logits, _) in enumerate(unroll(drafter, input_ids, aux, steps)):
+        R = T - 1 - k  # rows j with a target z_{j+1+k}
+        if R <= 0:
+            stats.append(torch.zeros(len(STAT_ROWS), dtype=torch.float64, device=input_ids.device))
+            continue
+        lg = logits[:, :R]  # [B, R, Vd]
+        p = target.probs[:, 1 + k :]  # [B, R, Vd]
+        tgt = target.argmax[:, 1 + k :]  # [B, R]
+        w = F.pad(mask[:, 2 + k :], (0, 1))  # [B, R]: m_{j+2+k}
+        ce = SoftCrossEntropy.apply(lg, p)  # [B, R]
+        loss_sum = torch.where(w & (tgt >= 0), ce, 0.0).sum()
+        loss = loss + decay**k * loss_sum / normalizer[k]
+        with torch.no_grad():
+            hit = (lg.argmax(-1) == tgt) & w
+            trials = chain_ok[:, :R] & w
+            chain_ok = F.pad(chain_ok[:, :R] & hit, (0, T - R))
+            stats.append(torch.stack([loss_sum.detach(), w.sum(), hit.sum(), chain_ok.sum(), trials.sum()]).double())
+    return TTTResult(loss, torch.stack(stats, dim=1))
+
+
+def acceptance_length(alphas: list[float]) -> float:
+    """τ = 1 + Σ_k Π_{j≤k} α_j from per-step conditional acceptance rates (DESIGN.md §3)."""
+    tau, prod = 1.0, 1.0
+    for a in alphas:
+        prod *= a
+        tau += prod
+    return tau
+
+
+def summarize(stats: torch.Tensor, decay: float) -> dict:
+    """Metrics from summed `TTTResult.stats`: loss (as trained), per-step loss, accuracy,
+    conditional acceptance α_k and simulated (teacher-forced) acceptance length τ."""
+    s = dict(zip(STAT_ROWS, stats.double().cpu().tolist()))
+    steps = stats.shape[1]
+
+    def ratio(a, b):
+        return [x / y if y else 0.0 for x, y in zip(a, b)]
+
+    step_loss = ratio(s["loss_sum"], s["tokens"])
+    alpha = ratio(s["chain_hits"], s["chain_trials"])
+    return {
+        "loss": sum(decay**k * step_loss[k] for k in range(steps)),
+        "step_loss": step_loss,
+        "step_accuracy": ratio(s["correct"], s["tokens"]),
+        "step_alpha": alpha,
+        "tau": acceptance_length(alpha),
+        "loss_tokens": int(s["tokens"][0]),
+    }

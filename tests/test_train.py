@@ -1,0 +1,239 @@
+"""Training: batch planning, one-batch overfitting, DDP == single process, resume after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from draftflow.storage import SampleStore, encode_sample, sample_key, write_range_index
+from draftflow.train import (
+    DistEnv,
+    EpochPlan,
+    TrainInputs,
+    TrainSettings,
+    build_drafter,
+    collate,
+    load_drafter,
+    make_optimizer,
+    plan_batches,
+    run_training,
+    save_drafter,
+    shard_eval_batches,
+    train_step,
+)
+from draftflow.ttt import TTTObjective, ttt_loss
+from draftflow.vocab import save_vocab, select_draft_vocab
+
+AUX = [0, 1, 2]
+
+
+def make_target(path: Path, hidden: int = 32, vocab: int = 128, layers: int = 4) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # a peaked next-token distribution, like a trained model's
+    model.save_pretrained(path)
+    return path
+
+
+def make_ranges(root: Path, target: Path, n: int, seed: int, lengths=(12, 40), ranges: int = 2) -> list[Path]:
+    """Range folders of real target hidden states for random token sequences (written via storage)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(target).eval()
+    rng = np.random.default_rng(seed)
+    store = SampleStore(root / "store")
+    per_range = -(-n // ranges)
+    dirs = []
+    for r in range(ranges):
+        entries = []
+        for i in range(r * per_range, min(n, (r + 1) * per_range)):
+            T = int(rng.integers(*lengths))
+            ids = rng.integers(0, model.config.vocab_size, T)
+            mask = (np.arange(T) >= T // 3).astype(np.uint8)  # an "assistant" tail
+            with torch.no_grad():
+                hs = model(torch.from_numpy(ids)[None], output_hidden_states=True).hidden_states
+            hidden = torch.stack([hs[a + 1][0] for a in AUX] + [hs[-1][0]], dim=1).to(torch.bfloat16)  # [T, 4, H]
+            key = sample_key("test", ids)
+            entries.append(store.put(key, encode_sample(ids, mask, hidden)).entry(f"s{seed}-{i}", key))
+        d = root / f"rows_{r}"
+        meta = {"settings_digest": "test", "store_root": str(root / "store"), "num_layers_captured": 4,
+                "hidden_size": model.config.hidden_size, "aux_layer_ids": AUX}  # fmt: skip
+        write_range_index(d, entries, meta)
+        dirs.append(d)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = make_target(root / "target")
+    train = make_ranges(root / "hs" / "train", target, n=24, seed=1)
+    evals = make_ranges(root / "hs" / "eval", target, n=6, seed=2, ranges=1)
+    counts = np.bincount(np.random.default_rng(0).integers(0, 128, 2000), minlength=128)
+    save_vocab(select_draft_vocab(counts, 64), root / "vocab.safetensors")
+    return {"root": root, "target": target, "train": train, "eval": evals, "vocab": root / "vocab.safetensors"}
+
+
+def settings(**kw) -> dict:
+    base = {"aux_layer_ids": AUX, "draft_vocab_size": 64, "ttt_steps": 3, "epochs": 1, "batch_tokens": 128,
+            "learning_rate": 3e-3, "warmup_ratio": 0.1, "num_workers": 0, "log_every_steps": 1,
+            "save_every_steps": 2, "seed": 0}  # fmt: skip
+    base.update(kw)
+    return base
+
+
+def test_plan_batches_is_a_deterministic_budgeted_partition():
+    lengths = np.random.default_rng(0).integers(5, 60, 300)
+    a = plan_batches(lengths, 200, seed=3, epoch=1)
+    assert a == plan_batches(lengths, 200, seed=3, epoch=1)
+    assert a != plan_batches(lengths, 200, seed=3, epoch=2)
+    assert sorted(i for b in a for i in b) == list(range(300))
+    assert all(len(b) * lengths[b].max() <= 200 for b in a)
+    long = plan_batches(np.array([10, 500, 20]), 100, seed=0, epoch=0)
+    assert [1] in long  # an over-long sample is a batch of its own
+    assert shard_eval_batches([[0], [1], [2], [3], [4]], 1, 2) == ([[1], [3], [0]], [True, True, False])
+    assert shard_eval_batches([[0], [1], [2], [3], [4]], 0, 2) == ([[0], [2], [4]], [True, True, True])
+    plan = EpochPlan(0, a, steps=len(a) // 6)
+    for step in range(plan.steps):  # 3 ranks x 2 micro-batches partition each global step
+        parts = [b for r in range(3) for b in plan.rank_batches(step, r, 3, 2)]
+        assert parts == a[step * 6 : (step + 1) * 6]
+
+
+def test_overfitting_one_batch_drives_the_loss_down(world):
+    from draftflow.storage import HiddenStateReader
+    from draftflow.vocab import load_vocab
+
+    s = TrainSettings.from_dict(settings(learning_rate=1e-2, warmup_ratio=0.0, schedule="constant"))
+    drafter, head, _ = build_drafter(s, world["target"], load_vocab(world["vocab"]))
+    reader = HiddenStateReader(world["train"])
+    batch = collate([reader[i] for i in range(4)], s.ttt_steps)
+    model = TTTObjective(drafter, s.ttt_steps, s.step_weight_decay)
+    opt, sched = make_optimizer(drafter, s, total_steps=30, fused=False)
+    losses = []
+    for _ in range(30):
+        stats, _ = train_step(model, head, [batch], opt, sched, DistEnv(), s.grad_clip)
+        losses.append((stats[0] / stats[1]).sum().item())
+    assert losses[-1] < 0.3 * losses[0], losses
+    target = head(batch.final)
+    final = ttt_loss(drafter, batch.input_ids, batch.loss_mask, batch.aux, target, s.ttt_steps)
+    # step 0 gets (nearly) every position right whose target token is in the draft vocabulary
+    reachable = ((target.argmax[:, 1:-1] >= 0) & batch.loss_mask[:, 2:]).sum().item()
+    assert final.stats[2][0].item() >= 0.9 * reachable > 0
+
+
+def test_save_and_load_drafter_round_trip(world, tmp_path):
+    from draftflow.vocab import load_vocab
+
+    s = TrainSettings.from_dict(settings())
+    drafter, _, cfg = build_drafter(s, world["target"], load_vocab(world["vocab"]))
+    save_drafter(drafter, tmp_path / "d", dtype=torch.float32)
+    loaded, cfg2 = load_drafter(tmp_path / "d")  # embedding from the target path in config.json
+    assert cfg2 == cfg
+    for k, v in drafter.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[k], v, msg=k)
+    saved = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert saved["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert saved["draftflow"]["aux_layer_ids"] == AUX and saved["draftflow"]["ttt_steps"] == 3
+
+
+def run_cli(world, out: Path, state: Path, extra: dict, torchrun: int = 0, wait: bool = True):
+    args = ["train", "--train-ranges", *map(str, world["train"]), "--eval-ranges", *map(str, world["eval"]),
+            "--target", str(world["target"]), "--vocab", str(world["vocab"]),
+            "--settings", json.dumps(settings(**extra)), "--state-dir", str(state), "--output", str(out)]  # fmt: skip
+    if torchrun:
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"]
+        cmd = [sys.executable, *launcher, "-m", "draftflow.cli", *args]
+    else:
+        cmd = [sys.executable, "-m", "draftflow.cli", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def run_inprocess(world, out: Path, state: Path, extra: dict) -> dict:
+    """The same training as the CLI, in this process (saves a Python start-up)."""
+    inputs = TrainInputs(world["train"], world["eval"], world["target"], world["vocab"], state, out)
+    return run_training(inputs, TrainSettings.from_dict(settings(**extra)), DistEnv())
+
+
+def final_state(state_dir: Path) -> tuple[dict, dict]:
+    (run,) = state_dir.glob("run-*")
+    latest = json.loads((run / "latest.json").read_text())
+    return torch.load(run / latest["path"] / "state.pt", weights_only=False)["model"], latest
+
+
+def train_rows(out: Path) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+
+
+def test_ddp_two_gloo_processes_match_single_process_training(world, tmp_path):
+    """Tolerance: max |param difference| < 1e-5 after all steps (fp32 CPU; only reduction order differs)."""
+    run_inprocess(world, tmp_path / "single", tmp_path / "s1", {"grad_accum": 2})
+    run_cli(world, tmp_path / "ddp", tmp_path / "s2", {}, torchrun=2)
+    single, latest1 = final_state(tmp_path / "s1")
+    ddp, latest2 = final_state(tmp_path / "s2")
+    assert latest1["step"] == latest2["step"] >= 3
+    diff = max((single[k].float() - ddp[k].float()).abs().max().item() for k in single)
+    assert diff < 1e-5, diff
+    moved = max((single[k].float() - v.float()).abs().max().item() for k, v in build_initial(world).items())
+    assert moved > 1e-3  # training really changed the weights
+    a, b = train_rows(tmp_path / "single"), train_rows(tmp_path / "ddp")
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    np.testing.assert_allclose([r["loss"] for r in a], [r["loss"] for r in b], rtol=1e-5)
+    summary = json.loads((tmp_path / "ddp" / "eval.json").read_text())
+    assert 1.0 <= summary["simulated_acceptance_length"] <= 4.0 and summary["world_size"] == 2
+
+
+def build_initial(world) -> dict:
+    from draftflow.vocab import load_vocab
+
+    drafter, _, _ = build_drafter(TrainSettings.from_dict(settings()), world["target"], load_vocab(world["vocab"]))
+    return drafter.export_state_dict()
+
+
+def test_resume_after_sigkill_continues_the_same_loss_curve(world, tmp_path):
+    # more steps and a few workers, so the run is long enough to be killed in the middle
+    extra = {"epochs": 3, "save_every_steps": 3, "num_workers": 1}
+    run_inprocess(world, tmp_path / "ref", tmp_path / "ref-state", extra)
+    reference = train_rows(tmp_path / "ref")
+    total = reference[-1]["step"]
+
+    state = tmp_path / "state"
+    proc = run_cli(world, tmp_path / "out", state, extra, wait=False)
+    deadline = time.time() + 120
+    killed_at = None
+    while time.time() < deadline and proc.poll() is None:
+        latest = list(state.glob("run-*/latest.json"))
+        if latest and json.loads(latest[0].read_text())["step"] >= 3:
+            os.kill(proc.pid, signal.SIGKILL)
+            killed_at = json.loads(latest[0].read_text())["step"]
+            break
+        time.sleep(0.01)
+    proc.wait()
+    assert killed_at is not None and killed_at < total, "the run finished before it could be killed"
+    assert not (tmp_path / "out" / "eval.json").exists()
+
+    proc = run_cli(world, tmp_path / "out", state, extra)
+    assert "resuming from step" in proc.stderr
+    resumed = train_rows(tmp_path / "out")
+    assert [r["step"] for r in resumed] == [r["step"] for r in reference]
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in reference], rtol=1e-5)
