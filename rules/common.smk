@@ -243,3 +243,13 @@ def resolved_aux_layer_ids():
 
 def train_settings() -> dict:
     return {**config["train"], "aux_layer_ids": resolved_aux_layer_ids()}
+
+
+def train_resources() -> dict:
+    """GPUs on one node: `gpu` (sbatch --gpus, and the local GPU limit). Several nodes:
+    one srun task per node that runs torchrun, with `gpus` GPUs on each node."""
+    gpus, nodes = config["train"]["gpus"], config["train"]["nodes"]
+    if nodes == 1:
+        return {"gpu": gpus}
+    resources = {"nodes": nodes, "tasks": nodes, "mpi": "srun", "tasks_per_gpu": 0}
+    return {**resources, "gres": f"gpu:{gpus}"} if gpus else resources

@@ -31,7 +31,7 @@ rule regenerate:
         f"{BENCH}/regenerate/{{dataset}}/shard-{{shard}}.tsv"
     conda:
         CONDA_ENV
-    threads: workflow.cores
+    threads: 4
     params:
         settings=as_settings(config["regenerate"]),
         target=lambda w: target_dir(),

@@ -16,7 +16,7 @@ rule evaluate:
         f"{BENCH}/evaluate.tsv"
     conda:
         CONDA_ENV
-    threads: workflow.cores
+    threads: 4
     resources:
         gpu=min(1, config["extract"]["gpus_per_job"]),
     params:

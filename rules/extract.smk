@@ -27,6 +27,9 @@ rule extract:
         # ancient: a re-merge rewrites these files, but a range is stale only when its
         # own samples change, which the range digest in params tracks.
         records=ancient(f"{RESULTS}/merged/{{split}}.jsonl"),
+        # The checkpoint's first output: inside a cluster job, params that read the
+        # merge manifest need it declared.
+        merged=ancient(f"{RESULTS}/merged/train.jsonl"),
         preflight=ancient(f"{RESULTS}/hidden_states/preflight.json"),
         target=ancient(target_input()),
     output:
@@ -37,7 +40,7 @@ rule extract:
         f"{BENCH}/extract/{{split}}/rows_{{start}}-{{end}}.tsv"
     conda:
         CONDA_ENV
-    threads: max(1, workflow.cores // 2)
+    threads: 8
     resources:
         gpu=config["extract"]["gpus_per_job"],
     params:

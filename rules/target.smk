@@ -10,7 +10,7 @@ rule build_target:
         f"{BENCH}/build_target.tsv"
     conda:
         CONDA_ENV
-    threads: workflow.cores
+    threads: 4
     params:
         settings=as_settings(config["target"]["builtin"]),
     shell:

@@ -34,10 +34,9 @@ rule train:
         f"{BENCH}/train.tsv"
     conda:
         CONDA_ENV
-    threads: workflow.cores
+    threads: 8
     resources:
-        gpu=config["train"]["gpus"],
-        nodes=config["train"]["nodes"],
+        **train_resources(),
     params:
         settings=lambda w: as_settings(train_settings()),
         target=lambda w: target_dir(),

@@ -1,0 +1,195 @@
+"""The profiles, and the embedded default pipeline through a real SLURM
+(`snakemake --profile profiles/slurm`).
+
+The cluster is the single-node SLURM of scripts/slurm/setup_local_slurm.sh (started here
+if it is not up; skipped only when it cannot be installed: not root, or no apt/network).
+Its node has 2 GPUs as GRES; on a host without GPUs these are fake device nodes, so GPU
+jobs are scheduled and accounted like on a GPU cluster while torch finds no CUDA and the
+jobs run on CPU. Accounting goes through slurmdbd, so `sacct` shows what each job asked for.
+
+Run just this:  .venv/bin/pytest -m slurm -v
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, copy_workflow, load_default_config, write_config
+
+SETUP = REPO / "scripts" / "slurm" / "setup_local_slurm.sh"
+# setup_local_slurm.sh exit codes that mean "SLURM cannot be installed on this host".
+CANNOT_INSTALL = {10: "not root", 11: "packages cannot be installed (no apt-get or no network)"}
+PARTITION = "debug"  # the partition setup_local_slurm.sh creates
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster() -> None:
+    """Make sure the local SLURM runs (idempotent: about 1 s when it already does)."""
+    try:
+        proc = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{SETUP.name} took more than 15 min:\n{e.stdout}\n{e.stderr}")
+    if proc.returncode in CANNOT_INSTALL:
+        pytest.skip(f"SLURM cannot be installed here ({CANNOT_INSTALL[proc.returncode]}): {proc.stderr.strip()}")
+    assert proc.returncode == 0, f"{SETUP.name} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+
+
+def small_config() -> dict:
+    """The embedded default, shrunk so that every stage runs in seconds, extract on 1 GPU."""
+    config = copy.deepcopy(load_default_config())
+    config["target"]["builtin"] = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "train_steps": 2,
+        "train_seq_len": 32,
+        "train_batch_size": 2,
+    }
+    for dataset in config["datasets"].values():
+        dataset["max_samples"] = 4
+    config["regenerate"]["max_new_tokens"] = 8
+    config["merge"].update(max_seq_len=128, samples_per_range=6, min_eval_samples=2)
+    config["extract"]["gpus_per_job"] = 1  # -> resources gpu=1 -> sbatch --gpus=1
+    config["train"].update(epochs=1, draft_vocab_size=128, batch_tokens=512)
+    config["evaluate"].update(max_prompts=2, max_new_tokens=8)
+    return config
+
+
+def sacct_jobs(prefix: str, since: str) -> list[dict[str, str]]:
+    """This run's jobs (job name starts with `prefix`) as sacct rows."""
+    fields = "JobID,JobName,Comment,State,Partition,ReqTRES,AllocTRES"
+    out = subprocess.run(
+        ["sacct", "-X", "-P", "-n", "-S", since, "-o", fields],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    rows = [dict(zip(fields.split(","), line.split("|"))) for line in out.splitlines() if line]
+    return [r for r in rows if r["JobName"].startswith(prefix)]
+
+
+def cancel_leftovers(prefix: str) -> None:
+    out = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True).stdout
+    ids = [i for i, name in (line.split(maxsplit=1) for line in out.splitlines()) if name.startswith(prefix)]
+    if ids:
+        subprocess.run(["scancel", *ids])
+
+
+def tres(text: str) -> dict[str, str]:
+    """'billing=1,cpu=1,gres/gpu=1,mem=600M,node=1' -> {'cpu': '1', 'gres/gpu': '1', …}"""
+    return dict(item.split("=", 1) for item in text.split(",") if "=" in item)
+
+
+def render_profile(path: Path, argv: list[str], env: dict[str, str]) -> dict:
+    """The profile as Snakemake reads it (yte), for a Snakemake started with `argv`."""
+    code = (
+        "import json, sys, yte; sys.argv = json.loads(sys.argv[1]); "
+        f"print(json.dumps(yte.process_yaml(open({str(path)!r}), require_use_yte=True)))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(argv)], env=env, capture_output=True, text=True, check=True
+    )
+    return json.loads(proc.stdout)
+
+
+def test_default_profile_sets_host_limits_only_for_local_runs():
+    profile = REPO / "profiles" / "default" / "profile.yaml"
+    env = {k: v for k, v in os.environ.items() if k != "SNAKEMAKE_PROFILE"}
+    local = render_profile(profile, ["snakemake"], dict(env, CUDA_VISIBLE_DEVICES="0,3"))
+    assert local["cores"] == "all" and local["resources"] == {"gpu": 2}
+    assert render_profile(profile, ["snakemake"], dict(env, CUDA_VISIBLE_DEVICES=""))["resources"] == {"gpu": 0}
+    # Snakemake applies profiles/default on top of a cluster profile, and its keys win:
+    # a host limit there would cap every SLURM job at the login node's cores and GPUs.
+    for argv in (
+        ["snakemake", "--profile", "profiles/slurm"],
+        ["snakemake", "--profile=profiles/slurm"],
+        ["snakemake", "--executor", "slurm"],
+        ["snakemake", "-e", "slurm-jobstep"],  # how the plugin runs a job's own Snakemake
+    ):
+        cluster = render_profile(profile, argv, dict(env, CUDA_VISIBLE_DEVICES="0,3"))
+        assert "cores" not in cluster and "resources" not in cluster, argv
+        assert cluster["rerun-incomplete"] is True
+    cluster = render_profile(profile, ["snakemake"], dict(env, SNAKEMAKE_PROFILE="profiles/slurm"))
+    assert "resources" not in cluster
+
+
+def test_slurm_profile_takes_partition_and_account_from_sbatch_variables():
+    profile = REPO / "profiles" / "slurm" / "profile.yaml"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SBATCH_")}
+    bare = render_profile(profile, ["snakemake"], env)
+    assert bare["executor"] == "slurm" and bare["default-resources"] == {}
+    given = render_profile(profile, ["snakemake"], dict(env, SBATCH_PARTITION="gpu", SBATCH_ACCOUNT="proj-1"))
+    assert given["default-resources"] == {"slurm_partition": "'gpu'", "slurm_account": "'proj-1'"}
+
+
+@pytest.mark.slurm
+def test_default_pipeline_on_slurm(slurm_cluster, tmp_path: Path):
+    wf = copy_workflow(tmp_path / "wf")
+    config_path = write_config(wf, small_config(), "slurm-test.yaml")
+    prefix = f"dftest{uuid.uuid4().hex[:8]}"
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 5))
+    cmd = [
+        sys.executable, "-m", "snakemake",
+        "--profile", "profiles/slurm",
+        "--configfile", str(config_path.relative_to(wf)),
+        # Rules size threads from workflow.cores, which a cluster run must be given; the
+        # test node has 2 CPUs, so no job may ask for more.
+        "--cores", "2",
+        "--slurm-init-seconds-before-status-checks", "2",
+        "--slurm-jobname-prefix", prefix,
+    ]
+    env = dict(os.environ, SBATCH_PARTITION=PARTITION, PYTHONUNBUFFERED="1")
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=wf, env=env, capture_output=True, text=True, timeout=1500)
+    finally:
+        cancel_leftovers(prefix)
+    if proc.returncode != 0:
+        # The plugin keeps the SLURM logs of failed jobs: the job step's own errors are there.
+        slurm_logs = "".join(
+            f"\n--- {p.relative_to(wf)} ---\n{p.read_text()[-2500:]}"
+            for p in sorted((wf / ".snakemake" / "slurm_logs").rglob("*.log"))
+        )
+        pytest.fail(
+            f"snakemake on SLURM failed ({proc.returncode}) after {time.monotonic() - t0:.0f}s:\n"
+            f"{proc.stdout[-6000:]}{proc.stderr[-6000:]}\nSLURM logs of failed jobs:{slurm_logs}"
+        )
+
+    # Every target of the default `all` rule exists and is up to date.
+    assert (wf / "results" / "hidden_states" / "data_config.json").is_file()
+    dry = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "--configfile", str(config_path.relative_to(wf))],
+        cwd=wf, capture_output=True, text=True, timeout=300,
+    )
+    assert dry.returncode == 0 and "Nothing to be done" in dry.stdout + dry.stderr, dry.stdout[-4000:]
+
+    # Every job went through SLURM, and sacct shows it with the resources it asked for.
+    submitted = proc.stdout.count("has been submitted with SLURM jobid") + proc.stderr.count(
+        "has been submitted with SLURM jobid"
+    )
+    jobs: list[dict[str, str]] = []
+    for _ in range(30):  # slurmctld hands finished jobs to slurmdbd asynchronously
+        jobs = sacct_jobs(prefix, since)
+        if len(jobs) >= submitted:
+            break
+        time.sleep(1)
+    assert submitted >= 5 and len(jobs) == submitted, (submitted, jobs)
+    for job in jobs:
+        assert job["State"] == "COMPLETED", job
+        assert job["Partition"] == PARTITION, job  # from $SBATCH_PARTITION via the profile
+    extract = [j for j in jobs if j["Comment"].startswith("rule_extract")]
+    others = [j for j in jobs if not j["Comment"].startswith("rule_extract")]
+    assert len(extract) >= 2, [j["Comment"] for j in jobs]
+    for job in extract:
+        assert tres(job["ReqTRES"]).get("gres/gpu") == "1", job
+        assert tres(job["AllocTRES"]).get("gres/gpu") == "1", job
+    for job in others:  # CPU stages ask for no GPU
+        assert "gres/gpu" not in tres(job["ReqTRES"]), job
