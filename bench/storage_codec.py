@@ -6,23 +6,41 @@ downloads): aux layers [1, N//2-1, N-4] + the post-norm final state, i.e. the
 and for the byte-plane codec, single-thread encode/decode MB/s (of raw bf16), and
 encode throughput of a thread pool (zstd releases the GIL).
 
+Writer scaling (`--scaling-threads`, on by default): one 8B-shaped sample ([2048, 4, 4096]
+bf16 from a 4-layer random Llama with H 4096, aux layers 0, 1, 2) goes through the extraction writer's path,
+encode + `SampleStore.put` into a temp store, on 1, 2, … threads: tokens/s per thread
+count, encode-only tokens/s, and the GIL time held per sample (a watcher thread that
+sleeps 0.2 ms measures how long it waits to run again), whose inverse caps a writer pool
+of any size. The capture takes ~1 min on 2 CPU cores; `--cache` keeps it.
+
     .venv/bin/python bench/storage_codec.py --hidden-size 1024 --layers 8          # CPU, minutes
+    .venv/bin/python bench/storage_codec.py --only-scaling --cache /tmp/act8b.pt   # writer scaling only
     python bench/storage_codec.py --hidden-size 4096 --layers 32 --device cuda       # Llama-8B-shaped
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import shutil
+import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
 import zstandard
 
-from draftflow.storage import CHECKSUM_ALGORITHM, byte_planes, decode_sample, encode_sample
+from draftflow import storage
+from draftflow.storage import CHECKSUM_ALGORITHM, SampleStore, byte_planes, decode_sample, encode_sample
+
+# The writer's encoder: the list of buffers that `SampleStore.put` writes with os.writev; older
+# draftflow (before it existed) joined everything into one bytes object.
+encode_for_put = getattr(storage, "encode_sample_parts", encode_sample)
 
 
 def capture(hidden_size: int, layers: int, lengths: list[int], device: str, seed: int = 0) -> list[torch.Tensor]:
@@ -37,12 +55,13 @@ def capture(hidden_size: int, layers: int, lengths: list[int], device: str, seed
     )  # fmt: skip
     with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    aux = [1, layers // 2 - 1, layers - 4]
+    # Llama-3-style aux layers for deep models; shallow ones (the scaling sample) take 3 distinct early layers
+    aux = [1, layers // 2 - 1, layers - 4] if layers >= 8 else [0, 1, 2]
     out = []
     for T in lengths:
         ids = torch.randint(0, config.vocab_size, (1, T), device=device)
-        with torch.no_grad():
-            hs = model(ids, output_hidden_states=True).hidden_states
+        with torch.no_grad():  # the base model: the LM head is not needed for hidden states
+            hs = model.model(ids, output_hidden_states=True).hidden_states
         # hs[i + 1] = output of layer i; hs[-1] = post-norm last state (HF overwrites it)
         out.append(torch.stack([hs[i + 1][0] for i in aux] + [hs[-1][0]], dim=1).cpu().contiguous())
     del model
@@ -57,6 +76,114 @@ def timed(fn, repeat: int) -> float:
     return (time.perf_counter() - t0) / repeat
 
 
+class GilWatch:
+    """Measures how long other threads hold the GIL: a thread sleeping 0.2 ms at a time that
+    wakes more than 1 ms late was waiting for the GIL or for a CPU. On Linux the time it spent
+    runnable but off-CPU (/proc schedstat run delay) is subtracted, so a busy machine does
+    not count as GIL time."""
+
+    def __init__(self, late_s: float = 0.001):
+        self.late_s, self.blocked_s, self._stop = late_s, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _run_delay(fd: int | None) -> float:
+        return int(os.pread(fd, 200, 0).split()[1]) / 1e9 if fd is not None else 0.0
+
+    def _run(self) -> None:
+        try:
+            fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
+        except OSError:  # not Linux: CPU contention counts too
+            fd = None
+        last, delay = time.perf_counter(), self._run_delay(fd)
+        while not self._stop.is_set():
+            time.sleep(0.0002)
+            now, now_delay = time.perf_counter(), self._run_delay(fd)
+            if now - last > self.late_s:
+                self.blocked_s += max(0.0, now - last - (now_delay - delay))
+            last, delay = now, now_delay
+        if fd is not None:
+            os.close(fd)
+
+    def __enter__(self) -> GilWatch:
+        self._thread.start()
+        time.sleep(0.05)
+        self.blocked_s = 0.0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def writer_scaling(
+    hidden: torch.Tensor, threads: list[int], samples: int, level: int, store_dir: str | None, repeat: int
+) -> dict:
+    """The extraction writer's path (encode + put) on thread pools of each size, for one [T, L, H] sample."""
+    T = hidden.shape[0]
+    ids = np.arange(T) % 128_000
+    mask = (ids % 3 != 0).astype(np.uint8)
+    reference = encode_sample(ids, mask, hidden, level=level)
+    parts = encode_for_put(ids, mask, hidden, level=level)
+    joined = parts if isinstance(parts, bytes) else b"".join(parts)
+    assert joined == reference, "encode_sample_parts differs from encode_sample"
+    assert torch.equal(decode_sample(reference, check=True).hidden.view(torch.int16), hidden.view(torch.int16))
+
+    def encode(_: int) -> None:
+        encode_for_put(ids, mask, hidden, level=level)
+
+    root = Path(tempfile.mkdtemp(prefix="draftflow-bench-", dir=store_dir))
+    try:
+        store = SampleStore(root)
+
+        def write(i: int) -> None:
+            key = hashlib.sha256(f"bench-{i}".encode()).hexdigest()
+            store.put(key, encode_for_put(ids, mask, hidden, level=level))
+            store.delete(key)
+
+        write(-1)  # warm-up: compressors, page cache, folders
+        gil_samples = samples
+        with GilWatch() as watch:
+            t0 = time.perf_counter()
+            for i in range(gil_samples):
+                write(i)
+            one_s = (time.perf_counter() - t0) / gil_samples
+        gil_s = watch.blocked_s / gil_samples
+        out = {
+            "sample": f"[{T}, {hidden.shape[1]}, {hidden.shape[2]}] {str(hidden.dtype).removeprefix('torch.')}",
+            "stored_ratio": round(len(reference) / (hidden.numel() * hidden.element_size()), 4),
+            "encoder": encode_for_put.__name__,
+            "write_ms_per_sample_1_thread": round(one_s * 1e3, 1),
+            "gil_held_ms_per_sample": round(gil_s * 1e3, 1),
+            "gil_cap_tokens_per_s": round(T / gil_s) if gil_s > 0 else None,
+            "encode_tokens_per_s_by_threads": {},
+            "write_tokens_per_s_by_threads": {},
+        }
+        for n in threads:
+            with ThreadPoolExecutor(n) as ex:
+                for name, fn in (("encode", encode), ("write", write)):
+                    jobs = range(samples * n)
+                    list(ex.map(fn, range(n)))  # warm every thread
+                    best = float("inf")
+                    for _ in range(repeat):  # best of: the machine may be shared
+                        t0 = time.perf_counter()
+                        list(ex.map(fn, jobs))
+                        best = min(best, time.perf_counter() - t0)
+                    out[f"{name}_tokens_per_s_by_threads"][n] = round(T * len(jobs) / best)
+        return out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def scaling_sample(args) -> torch.Tensor:
+    if args.cache and args.cache.exists():
+        return torch.load(args.cache)
+    (hidden,) = capture(args.scaling_hidden, args.scaling_layers, [args.scaling_length], args.device)
+    if args.cache:
+        torch.save(hidden, args.cache)
+    return hidden
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden-size", type=int, default=1024)
@@ -66,7 +193,25 @@ def main() -> None:
     parser.add_argument("--level", type=int, default=1)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--scaling-threads", type=int, nargs="*", default=[1, 2], help="none: skip writer scaling")
+    parser.add_argument("--scaling-length", type=int, default=2048)
+    parser.add_argument("--scaling-hidden", type=int, default=4096)
+    parser.add_argument("--scaling-layers", type=int, default=4, help="random-Llama depth, >= 4")
+    parser.add_argument("--scaling-samples", type=int, default=4, help="samples per thread per measurement")
+    parser.add_argument("--store-dir", default=None, help="where the scaling run's temp store goes")
+    parser.add_argument("--cache", type=Path, help="save / load the scaling sample here (torch.save)")
+    parser.add_argument("--only-scaling", action="store_true", help="skip the codec comparison")
     args = parser.parse_args()
+
+    scaling = None
+    if args.scaling_threads:
+        hidden = scaling_sample(args)
+        scaling = writer_scaling(
+            hidden, args.scaling_threads, args.scaling_samples, args.level, args.store_dir, args.repeat
+        )
+    if args.only_scaling:
+        print(json.dumps({"cpus": os.cpu_count(), "level": args.level, "writer_scaling": scaling}, indent=2))
+        return
 
     t0 = time.perf_counter()
     samples = capture(args.hidden_size, args.layers, args.lengths, args.device)
@@ -107,6 +252,7 @@ def main() -> None:
         "encode_MBps_1_thread": round(raw / enc_s / 1e6),
         "decode_MBps_1_thread": round(raw / dec_s / 1e6),
         "encode_MBps_by_threads": pool,
+        "writer_scaling": scaling,
     }, indent=2))  # fmt: skip
 
 

@@ -58,7 +58,7 @@ from draftflow.jsonl import read_json, write_json
 from draftflow.storage import (
     IndexEntry,
     SampleStore,
-    encode_sample,
+    encode_sample_parts,
     read_range_index,
     sample_key,
     sample_lengths,
@@ -201,8 +201,9 @@ class SampleWriter:
         try:
             if self.store.contains(key):  # another job stored the same content meanwhile
                 return self.store.entry_for(key, record.sample_id)
-            data = encode_sample(record.input_ids, record.loss_mask, hidden, level=self.level)
-            return self.store.put(key, data).entry(record.sample_id, key)
+            # A list of buffers, written with writev: joining it would hold the GIL for a full copy.
+            parts = encode_sample_parts(record.input_ids, record.loss_mask, hidden, level=self.level)
+            return self.store.put(key, parts).entry(record.sample_id, key)
         except BaseException as e:
             with self._lock:
                 self.error = self.error or e

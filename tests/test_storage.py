@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -15,12 +17,17 @@ import pytest
 import torch
 import zstandard
 
+from draftflow import storage
 from draftflow.errors import DraftflowError
 from draftflow.storage import (
     HiddenStateReader,
     SampleStore,
+    byte_planes,
+    checksum,
+    compression_params,
     decode_sample,
     encode_sample,
+    encode_sample_parts,
     read_header,
     read_range_index,
     sample_key,
@@ -132,6 +139,122 @@ def test_encode_rejects_inconsistent_inputs():
         encode_sample(ids, mask, hidden[:, 0])
 
 
+def legacy_encode(ids, mask, hidden: torch.Tensor, level: int = 1) -> bytes:
+    """Frozen copy of encode_sample as of format version 1's first release (strided byte planes, one join)."""
+    ids = np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
+    mask = np.ascontiguousarray(np.asarray(mask, dtype=np.uint8).reshape(-1))
+    itemsize = hidden.element_size()
+    as_int = hidden.contiguous().view(INT_VIEW[hidden.dtype]).numpy()
+    cols = as_int.reshape(-1).view(np.uint8).reshape(-1, itemsize)
+    planes = [np.ascontiguousarray(cols[:, itemsize - 1 - k]) for k in range(itemsize)]
+    zc = zstandard.ZstdCompressor(compression_params=compression_params(level))
+
+    def pack(name, raw):
+        raw = memoryview(np.ascontiguousarray(raw)).cast("B")
+        n, probe = len(raw), 1 << 18
+        if n > 4 * probe and len(zc.compress(raw[n // 2 : n // 2 + probe])) > 0.99 * probe:
+            return {"name": name, "codec": "raw", "nbytes": n, "raw_nbytes": n}, raw
+        packed = zc.compress(raw)
+        if len(packed) < n:
+            return {"name": name, "codec": "zstd", "nbytes": len(packed), "raw_nbytes": n}, packed
+        return {"name": name, "codec": "raw", "nbytes": n, "raw_nbytes": n}, raw
+
+    sections = [pack("input_ids", ids), pack("loss_mask", mask)]
+    sections += [pack(f"hidden.plane{k}", plane) for k, plane in enumerate(planes)]
+    T, L, H = hidden.shape
+    header = {
+        "T": T, "L": L, "H": H, "dtype": str(hidden.dtype).removeprefix("torch."), "loss_tokens": int(mask.sum()),
+        "codec": "zstd-byteplanes", "level": level, "raw_checksum": checksum(ids, mask, as_int),
+        "sections": [meta for meta, _ in sections],
+    }  # fmt: skip
+    header_bytes = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    parts = [struct.pack("<4sHI", b"DFHS", 1, len(header_bytes)), header_bytes] + [d for _, d in sections]
+    return b"".join(parts)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("T", [0, 1, 33, 700])
+def test_parts_join_to_the_unchanged_file_format(dtype, T):
+    # T=700, H=512: 1.4 MB planes, past the probe threshold: a zstd exponent plane and raw mantissa planes.
+    ids, mask, hidden = make_sample(T, seed=T, H=512 if T > 100 else 64, dtype=dtype)
+    parts = encode_sample_parts(ids, mask, hidden)
+    expected = legacy_encode(ids, mask, hidden)
+    assert b"".join(parts) == expected == encode_sample(ids, mask, hidden)
+    assert len(parts) == 3 + hidden.element_size()  # preamble + header, ids, mask, one per byte plane
+    if T == 700:
+        codecs = [s["codec"] for s in read_header(expected).sections]
+        assert codecs[2] == "zstd" and codecs[-1] == "raw"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("T", [0, 1, 5])
+def test_byte_planes_are_the_bytes_of_each_element_most_significant_first(dtype, T):
+    hidden = make_sample(T, dtype=dtype, H=8)[2]
+    cols = bits(hidden).numpy().reshape(-1).view(np.uint8).reshape(-1, hidden.element_size())
+    planes = byte_planes(hidden)
+    assert len(planes) == hidden.element_size()
+    for k, plane in enumerate(planes):
+        assert plane.dtype == np.uint8 and plane.flags.c_contiguous
+        assert np.array_equal(plane, cols[:, -1 - k])
+
+
+def test_parts_never_alias_the_callers_memory():
+    # extract.py hands the writer a view of a pinned slot that is reused once the write returns.
+    ids, mask, hidden = make_sample(700, H=512)
+    before = encode_sample(ids, mask, hidden)
+    parts = encode_sample_parts(ids, mask, hidden)
+    hidden.zero_()
+    ids[:] = 0
+    mask[:] = 0
+    assert b"".join(parts) == before
+
+
+def test_put_writes_parts_unjoined_with_the_checksum_of_the_joined_file(tmp_path):
+    store = SampleStore(tmp_path)
+    ids, mask, hidden = make_sample(700, H=512)
+    parts = encode_sample_parts(ids, mask, hidden)
+    data = b"".join(parts)
+    key = sample_key("p", ids)
+    put = store.put(key, parts)
+    assert store.get(key) == data and put.nbytes == len(data)
+    assert put.checksum == checksum(data) and store.entry_for(key, "s") == put.entry("s", key)
+    assert checksum(*parts, algorithm="blake2b128") == checksum(data, algorithm="blake2b128")
+    assert store.put(key, data) == put == store.put(key, tuple(parts))  # bytes, as before; a tuple too
+    pieces = [data[i : i + 3] for i in range(0, 60, 3)] + [memoryview(data)[60:]]  # header split over parts
+    assert store.put(key, pieces) == put
+    assert list(store.root.glob("*/*/.*")) == []  # no temp files left
+
+
+def test_put_loops_on_partial_writes(tmp_path, monkeypatch):
+    calls = []
+
+    def short_writev(fd, buffers):  # writes at most 1000 bytes, often ending inside a buffer
+        chunk = b"".join(bytes(b) for b in buffers)[: 1000 - 7 * (len(calls) % 3)]
+        calls.append(len(chunk))
+        return os.write(fd, chunk)
+
+    monkeypatch.setattr(storage.os, "writev", short_writev)
+    store = SampleStore(tmp_path)
+    ids, mask, hidden = make_sample(40)
+    parts = encode_sample_parts(ids, mask, hidden)
+    put = store.put(sample_key("w", ids), parts)
+    assert store.get(sample_key("w", ids)) == b"".join(parts) and put.checksum == checksum(b"".join(parts))
+    assert len(calls) > 5
+
+
+def test_put_rejects_malformed_parts_and_leaves_nothing(tmp_path):
+    store = SampleStore(tmp_path)
+    ids, mask, hidden = make_sample(20)
+    parts = encode_sample_parts(ids, mask, hidden)
+    with pytest.raises(ValueError, match="size"):
+        store.put("abcdef", parts[:-1])  # a section missing
+    with pytest.raises(ValueError, match="magic"):
+        store.put("abcdef", [b"XXXX", bytes(parts[0])[4:], *parts[1:]])
+    with pytest.raises(ValueError, match="short"):
+        store.put("abcdef", [])
+    assert list(tmp_path.rglob("*")) == []
+
+
 # ---------------------------------------------------------------- keys
 
 
@@ -189,7 +312,7 @@ def test_leftover_temp_file_is_not_a_sample_and_is_cleaned_up(tmp_path):
 
 WRITER = textwrap.dedent("""
     import sys, numpy as np, torch
-    from draftflow.storage import SampleStore, encode_sample, sample_key
+    from draftflow.storage import SampleStore, encode_sample, encode_sample_parts, sample_key
     store = SampleStore(sys.argv[1])
     i = 0
     while True:
@@ -197,7 +320,8 @@ WRITER = textwrap.dedent("""
         T = int(rng.integers(1, 400))
         ids = rng.integers(0, 1000, T)
         hidden = torch.from_numpy(rng.standard_normal((T, 4, 256), dtype=np.float32)).to(torch.bfloat16)
-        store.put(sample_key("crash", ids), encode_sample(ids, ids % 2, hidden))
+        encode = encode_sample_parts if i % 2 else encode_sample  # writev of parts, and one bytes object
+        store.put(sample_key("crash", ids), encode(ids, ids % 2, hidden))
         i += 1
     """)
 
