@@ -33,7 +33,12 @@ rule regenerate:
         CONDA_ENV
     threads: 4
     params:
-        settings=as_settings(config["regenerate"]),
+        settings=as_settings(
+            {
+                **config["regenerate"],
+                "trust_remote_code": config["target"]["trust_remote_code"],
+            }
+        ),
         target=lambda w: target_dir(),
         state=f"{STATE}/regenerate",
     shell:
