@@ -17,22 +17,23 @@ Export writes, under --output-dir:
 
 Aux layer ids: ours are "output of decoder layer i, counted from 0" (DESIGN.md §3); every
 engine captures the *input* of decoder layer j (= output of layer j-1) and derives j from the
-config ids by its own rule, which `AUX_ID_RULES` records per engine, model family and version.
+config ids by its own rule, per engine, architecture and version. That rule lives in one table,
+`draftflow/engines/layer_ids.py`, shared with extraction; export refuses a release the table
+cannot place (e.g. SGLang 0.5.12 for DeepSeek/Kimi targets).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import re
 import shlex
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from draftflow.drafter import ARCHITECTURE, Eagle3Config, Eagle3Drafter
+from draftflow.engines.layer_ids import DraftIds, aux_from_draft_ids, draft_config_ids
 from draftflow.errors import DraftflowError
 from draftflow.jsonl import atomic_path, read_json, write_json
 
@@ -44,115 +45,26 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 # ---------------------------------------------------------------- aux layer ids per engine
 
-
-def version_tuple(version: str) -> tuple[int, ...]:
-    """'0.5.12.post1' -> (0, 5, 12); pre-release and local suffixes are ignored."""
-    parts = re.match(r"^\s*v?(\d+(?:\.\d+)*)", version)
-    if not parts:
-        raise DraftflowError(f"not a version number: {version!r}")
-    return tuple(int(p) for p in parts.group(1).split("."))
+# The serving releases an export targets when the config names none (config schema defaults).
+DEFAULT_SGLANG_VERSION = "0.5.14"
+DEFAULT_VLLM_VERSION = "0.25.1"
 
 
-def _input_of_next(ids: list[int]) -> list[int]:
-    return [i + 1 for i in ids]
+def engine_aux_ids(engine: str, version: str, target_config: dict, aux_ids: list[int]) -> DraftIds:
+    """Our aux ids -> the `eagle_aux_hidden_state_layer_ids` with which `engine` `version` serving
+    this target captures exactly them (the inputs of layers ours + 1); the table and its evidence
+    are `draftflow/engines/layer_ids.py`. Refuses (DraftflowError) what the table cannot answer."""
+    return draft_config_ids(engine, aux_ids, target_config, version)
 
 
-def _as_given(ids: list[int]) -> list[int]:
-    return list(ids)
-
-
-def _plus_one_if_first_is_one(ids: list[int]) -> list[int]:
-    return _input_of_next(ids) if ids and ids[0] == 1 else list(ids)
-
-
-@dataclass(frozen=True)
-class AuxIdRule:
-    """How an engine turns config ids into the decoder layers whose *input* it captures."""
-
-    engine: str
-    family: str  # "default" or "deepseek_v2" (DeepSeek-V2/V3, Kimi-K2/K2.5 models)
-    since: str  # first engine version the rule applies to
-    captures: Callable[[list[int]], list[int]]  # config ids -> captured layer inputs
-    source: str
-
-
-# Newest first within an (engine, family); a family without its own rule uses "default".
-AUX_ID_RULES: tuple[AuxIdRule, ...] = (
-    AuxIdRule(
-        engine="sglang", family="deepseek_v2", since="0.5.12", captures=_plus_one_if_first_is_one,
-        source="sglang python/sglang/srt/models/deepseek_v2.py set_eagle3_layers_to_capture since PR #25454 "
-        "(merged 2026-05-16, after v0.5.11 of 2026-05-06): layers_to_capture = ids + 1 if ids[0] == 1 else ids",
-    ),
-    AuxIdRule(
-        engine="sglang", family="deepseek_v2", since="0", captures=_input_of_next,
-        source="sglang deepseek_v2.py set_eagle3_layers_to_capture before PR #25454: layers_to_capture = ids + 1",
-    ),
-    AuxIdRule(
-        engine="sglang", family="default", since="0", captures=_input_of_next,
-        source="sglang python/sglang/srt/models/llama.py (qwen2.py, …) set_eagle3_layers_to_capture: "
-        "layers_to_capture = [val + 1 for val in layer_ids]; the capture runs before layer j",
-    ),
-    AuxIdRule(
-        engine="vllm", family="default", since="0", captures=_as_given,
-        source="vllm eagle3_utils get_eagle3_aux_layers_from_config passes the ids unchanged to "
-        "set_aux_hidden_state_layers; the model appends the residual stream before layer idx",
-    ),
-)  # fmt: skip
-
-DEEPSEEK_V2_FAMILY = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25")
+def our_aux_ids(engine: str, version: str, target_config: dict, engine_ids: list[int]) -> list[int]:
+    """The ids, in our convention, of the layers an engine config's ids make it capture."""
+    return aux_from_draft_ids(engine, engine_ids, target_config, version)
 
 
 def _text_config(target_config: dict) -> dict:
     """Multimodal wrappers (Kimi-K2.5) keep the language model's config in text_config."""
     return target_config if "num_hidden_layers" in target_config else target_config.get("text_config") or target_config
-
-
-def model_family(target_config: dict) -> str:
-    """'deepseek_v2' for models SGLang serves with deepseek_v2.py (DeepSeek-V2/V3, Kimi-K2/K2.5)."""
-    types = {str(target_config.get("model_type")), str((target_config.get("text_config") or {}).get("model_type"))}
-    archs = [a.lower() for a in target_config.get("architectures") or []]
-    if types & set(DEEPSEEK_V2_FAMILY) or any("deepseek" in a or "kimik2" in a for a in archs):
-        return "deepseek_v2"
-    return "default"
-
-
-def aux_id_rule(engine: str, family: str, version: str) -> AuxIdRule:
-    v = version_tuple(version)
-    for fam in (family, "default"):
-        for rule in AUX_ID_RULES:
-            if rule.engine == engine and rule.family == fam and v >= version_tuple(rule.since):
-                return rule
-    raise DraftflowError(f"no aux layer id rule for engine {engine!r}")
-
-
-def engine_aux_ids(engine: str, version: str, target_config: dict, aux_ids: list[int]) -> tuple[list[int], AuxIdRule]:
-    """Our aux ids -> the `eagle_aux_hidden_state_layer_ids` with which `engine` captures exactly
-    them: the inputs of layers ours + 1."""
-    ours = [int(i) for i in aux_ids]
-    if ours != sorted(set(ours)):
-        # Engines append captured states in layer order; fc's input order must match.
-        raise DraftflowError(f"aux layer ids must be strictly increasing for serving, got {ours}")
-    layers = int(_text_config(target_config).get("num_hidden_layers", 0)) or None
-    if layers is not None and max(ours) >= layers - 1:
-        raise DraftflowError(
-            f"aux layer {max(ours)} is the output of the last decoder layer (the target has {layers}); "
-            f"{engine} captures layer inputs, so aux layers must be below {layers - 1}"
-        )
-    rule = aux_id_rule(engine, model_family(target_config), version)
-    wanted = _input_of_next(ours)
-    for candidate in (ours, wanted):
-        if rule.captures(candidate) == wanted:
-            return candidate, rule
-    raise DraftflowError(
-        f"aux layers {ours} cannot be requested from {engine} {version}: with its rule ({rule.source}) "
-        "no config ids capture exactly their outputs; choose other aux layers"
-    )
-
-
-def our_aux_ids(engine: str, version: str, target_config: dict, engine_ids: list[int]) -> list[int]:
-    """The ids, in our convention, of the layers an engine config's ids make it capture."""
-    rule = aux_id_rule(engine, model_family(target_config), version)
-    return [j - 1 for j in rule.captures([int(i) for i in engine_ids])]
 
 
 # ---------------------------------------------------------------- the drafter folder
@@ -327,8 +239,8 @@ def vllm_launch(target_path: Path, steps: int, tp: int, trust_remote_code: bool,
 class ExportSettings:
     """config `export` plus aux_layer_ids (what the drafter was trained on) and engine_versions."""
 
-    sglang_version: str = "0.5.5"
-    vllm_version: str = "0.12.0"
+    sglang_version: str = DEFAULT_SGLANG_VERSION
+    vllm_version: str = DEFAULT_VLLM_VERSION
     tensor_parallel: int = 1
     num_speculative_tokens: int = 3
     dtype: str = "bfloat16"
@@ -380,30 +292,22 @@ def export_drafter(drafter_dir: Path, target: Path, settings: ExportSettings, ou
     manifest = {"drafter": str(drafter_dir), "target": str(target_path), "aux_layer_ids": list(cfg.aux_layer_ids),
                 "settings": asdict(settings)}  # fmt: skip
 
-    sg_ids, sg_rule = engine_aux_ids("sglang", settings.sglang_version, target_config, cfg.aux_layer_ids)
+    # Both translations first: a release the table cannot place refuses before anything is written.
+    sg_ids = engine_aux_ids("sglang", settings.sglang_version, target_config, cfg.aux_layer_ids)
+    vl_ids = engine_aux_ids("vllm", settings.vllm_version, target_config, cfg.aux_layer_ids)
     sg = output_dir / "sglang"
     sg.mkdir(parents=True, exist_ok=True)
     _save(tensors, sg / "model.safetensors")
-    write_json(sg / "config.json", sglang_config(cfg, sg_ids, settings.dtype))
+    write_json(sg / "config.json", sglang_config(cfg, sg_ids.ids, settings.dtype))
     _write_launch(sg / "launch.sh", sglang_launch(target_path, steps, tp, trust, settings.sglang_version))
-    manifest["sglang"] = {
-        "version": settings.sglang_version,
-        "eagle_aux_hidden_state_layer_ids": sg_ids,
-        "captures_input_of_layers": [i + 1 for i in cfg.aux_layer_ids],
-        "rule": sg_rule.source,
-    }
+    manifest["sglang"] = sg_ids.as_json()
 
-    vl_ids, vl_rule = engine_aux_ids("vllm", settings.vllm_version, target_config, cfg.aux_layer_ids)
     vl = output_dir / "vllm"
     vl.mkdir(parents=True, exist_ok=True)
     _save(vllm_tensors(tensors, cfg), vl / "model.safetensors")
-    write_json(vl / "config.json", vllm_config(cfg, vl_ids, target_config, target_path, steps, settings.dtype))
+    write_json(vl / "config.json", vllm_config(cfg, vl_ids.ids, target_config, target_path, steps, settings.dtype))
     _write_launch(vl / "launch.sh", vllm_launch(target_path, steps, tp, trust, settings.vllm_version))
-    manifest["vllm"] = {
-        "version": settings.vllm_version,
-        "eagle_aux_hidden_state_layer_ids": vl_ids,
-        "rule": vl_rule.source,
-    }
+    manifest["vllm"] = vl_ids.as_json()
 
     write_json(output_dir / "export.json", manifest)
     return manifest
@@ -450,7 +354,7 @@ def _vocab_mapping(tensors: dict, vocab: int, draft_vocab: int, path: Path) -> N
 
 
 def import_drafter(
-    source: str, input_dir: Path, target: Path, output: Path, sglang_version: str = "0.5.5"
+    source: str, input_dir: Path, target: Path, output: Path, sglang_version: str = DEFAULT_SGLANG_VERSION
 ) -> Eagle3Config:
     """A SpecForge or SGLang-format EAGLE-3 drafter (LlamaForCausalLMEagle3) -> our drafter folder.
 
@@ -539,7 +443,7 @@ def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
         parser.add_argument("--input", type=Path, required=True, help="checkpoint folder (config.json + weights)")
         parser.add_argument("--target", type=Path, required=True, help="target model folder (embedding, layer count)")
         parser.add_argument("--output", type=Path, required=True, help="drafter folder to write")
-        parser.add_argument("--sglang-version", default="0.5.5",
+        parser.add_argument("--sglang-version", default=DEFAULT_SGLANG_VERSION,
                             help="SGLang version an SGLang-format config's aux layer ids were written for")  # fmt: skip
 
 

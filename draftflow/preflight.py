@@ -11,6 +11,13 @@ folder may not exist yet) must have `planned × (1 + free_disk_margin)` bytes fr
 content-keyed store (`--path/store`, if present) are reused rather than rewritten, so
 their size is subtracted from the plan first. This is an estimate: store files left by an
 older, incompatible run also count, which makes the check optimistic after such a run.
+Without a storage plan (`--plan` left out, e.g. a preflight before regeneration) it is skipped.
+
+Server checks (`draftflow.servers.server_checks`), when the settings carry the config's
+`regenerate` section with `engine: openai`: every `regenerate.openai.endpoints` entry answers
+GET <endpoint>/models within `server_timeout_s` and serves `regenerate.openai.model` (with
+the API key from the variable `api_key_env` names, if any). An openai engine without
+endpoints is refused too.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ STORE_DIR = "store"  # the content-keyed sample store inside the hidden-states f
 @dataclass(frozen=True)
 class PreflightSettings:
     free_disk_margin: float = 0.1
+    regenerate: Mapping[str, Any] | None = None  # the config's `regenerate` section: server checks
+    server_timeout_s: float = 10.0  # per endpoint check
 
     @classmethod
     def from_dict(cls, settings: Mapping[str, Any]) -> PreflightSettings:
@@ -49,6 +58,10 @@ class PreflightSettings:
         result = cls(**settings)
         if result.free_disk_margin < 0:
             raise DraftflowError(f"extract.free_disk_margin must be >= 0 (got {result.free_disk_margin})")
+        if result.regenerate is not None and not isinstance(result.regenerate, Mapping):
+            raise DraftflowError("preflight settings: 'regenerate' must be the config's regenerate section (an object)")
+        if result.server_timeout_s <= 0:
+            raise DraftflowError(f"preflight settings: server_timeout_s must be > 0 (got {result.server_timeout_s})")
         return result
 
 
@@ -56,7 +69,7 @@ class PreflightSettings:
 class PreflightContext:
     """What every check may look at."""
 
-    plan: Mapping[str, Any]  # storage_plan.json
+    plan: Mapping[str, Any] | None  # storage_plan.json (None: no plan yet, disk not checked)
     path: Path  # where hidden states will be written
     settings: PreflightSettings
 
@@ -98,6 +111,8 @@ def folder_bytes(folder: Path) -> int:
 
 
 def check_free_disk(ctx: PreflightContext) -> CheckResult:
+    if ctx.plan is None:
+        return CheckResult("free_disk", True, "no storage plan given: free disk not checked", {"skipped": True})
     planned = int(ctx.plan["total"]["bytes_expected"])
     margin = ctx.settings.free_disk_margin
     in_store = folder_bytes(Path(ctx.path) / STORE_DIR)
@@ -128,8 +143,38 @@ def check_free_disk(ctx: PreflightContext) -> CheckResult:
     return CheckResult("free_disk", False, message, details)
 
 
-# GPU and server checks join this list.
+# ---------------------------------------------------------------- servers
+
+
+def check_openai_endpoints_configured(ctx: PreflightContext) -> CheckResult:
+    openai = (ctx.settings.regenerate or {}).get("openai") or {}
+    endpoints = list(openai.get("endpoints") or [])
+    if endpoints:
+        message = f"regenerate.openai.endpoints: {endpoints}"
+        return CheckResult("openai_endpoints", True, message, {"endpoints": endpoints})
+    return CheckResult(
+        "openai_endpoints", False,
+        "regenerate.engine is 'openai' but regenerate.openai.endpoints is empty: list the servers' base "
+        "URLs, e.g. [http://127.0.0.1:30000/v1]",
+        {"endpoints": []},
+    )  # fmt: skip
+
+
+def server_checks_for(settings: PreflightSettings) -> list[Check]:
+    """The endpoint checks the `regenerate` section asks for (none unless its engine is openai)."""
+    if not settings.regenerate or settings.regenerate.get("engine", "hf") != "openai":
+        return []
+    from draftflow.servers import server_checks  # servers imports CheckResult from here
+
+    return [check_openai_endpoints_configured, *server_checks(dict(settings.regenerate), settings.server_timeout_s)]
+
+
+# The fixed checks; `checks_for` adds the ones the settings ask for (servers).
 CHECKS: list[Check] = [check_free_disk]
+
+
+def checks_for(settings: PreflightSettings) -> list[Check]:
+    return [*CHECKS, *server_checks_for(settings)]
 
 
 # ---------------------------------------------------------------- the stage
@@ -143,9 +188,12 @@ def run_checks(ctx: PreflightContext, checks: Sequence[Check] = CHECKS) -> list[
 
 
 def preflight(
-    plan: Mapping[str, Any], path: Path, settings: PreflightSettings, checks: Sequence[Check] = CHECKS
+    plan: Mapping[str, Any] | None, path: Path, settings: PreflightSettings, checks: Sequence[Check] | None = None
 ) -> dict[str, Any]:
-    """Run every check; raise DraftflowError listing the failures, else return the report."""
+    """Run every check (default: `checks_for(settings)`); raise DraftflowError listing the
+    failures, else return the report."""
+    if checks is None:
+        checks = checks_for(settings)
     results = run_checks(PreflightContext(plan, Path(path), settings), checks)
     failed = [r for r in results if not r.ok]
     if failed:
@@ -156,17 +204,25 @@ def preflight(
 def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
     from draftflow.cli import settings_arg
 
-    parser.add_argument("--plan", type=Path, required=True, help="storage_plan.json from plan-storage")
+    parser.add_argument(
+        "--plan", type=Path, default=None,
+        help="storage_plan.json from plan-storage (left out: the free-disk check is skipped)",
+    )  # fmt: skip
     parser.add_argument("--path", type=Path, required=True, help="hidden-states folder extraction will write")
-    parser.add_argument("--settings", type=settings_arg, required=True, help='e.g. {"free_disk_margin": 0.1}')
+    parser.add_argument(
+        "--settings", type=settings_arg, required=True,
+        help='e.g. {"free_disk_margin": 0.1, "regenerate": <config regenerate section>, "server_timeout_s": 10}',
+    )  # fmt: skip
     parser.add_argument("--output", type=Path, required=True, help="preflight.json to write when every check passes")
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        plan = read_json(args.plan)
-    except FileNotFoundError:
-        raise DraftflowError(f"storage plan {args.plan} does not exist; run `plan-storage` first") from None
+    plan = None
+    if args.plan is not None:
+        try:
+            plan = read_json(args.plan)
+        except FileNotFoundError:
+            raise DraftflowError(f"storage plan {args.plan} does not exist; run `plan-storage` first") from None
     report = preflight(plan, args.path, PreflightSettings.from_dict(args.settings))
     write_json(args.output, report)
     return 0

@@ -19,8 +19,26 @@ rule prepare:
         " > {log} 2>&1"
 
 
+# Before any regeneration job: the configured servers answer and serve the right model.
+rule preflight_servers:
+    output:
+        f"{RESULTS}/regenerated/preflight.json",
+    log:
+        f"{LOGS}/preflight_servers.log",
+    conda:
+        CONDA_ENV
+    params:
+        settings=as_settings({"regenerate": config["regenerate"]}),
+        path=lambda w, output: os.path.dirname(output[0]),
+    shell:
+        "draftflow preflight --path {params.path} --settings {params.settings:q}"
+        " --output {output} > {log} 2>&1"
+
+
 rule regenerate:
     input:
+        # ancient: a re-check of the servers alone must not redo finished shards.
+        preflight=ancient(f"{RESULTS}/regenerated/preflight.json"),
         shard=lambda w: prepared_shard(w.dataset, w.shard),
         target=target_input(),
     output:

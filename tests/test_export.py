@@ -36,7 +36,7 @@ def saved(tmp_path_factory):
 
 
 def export(tmp, out: str, **settings) -> dict:
-    settings = {"sglang_version": "0.5.5", "vllm_version": "0.12.0", "tensor_parallel": 2, "aux_layer_ids": AUX,
+    settings = {"sglang_version": "0.5.14", "vllm_version": "0.25.1", "tensor_parallel": 2, "aux_layer_ids": AUX,
                 "engine_versions": {"hf": "test"}, **settings}  # fmt: skip
     args = ["export", "--drafter", str(tmp / "drafter"), "--target", str(tmp / "target"),
             "--settings", json.dumps(settings), "--output-dir", str(tmp / out)]  # fmt: skip
@@ -265,30 +265,106 @@ DEEPSEEK = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalL
     [
         ("sglang", "0.5.5", LLAMA, [1, 15, 28], [1, 15, 28]),
         ("sglang", "0.5.13", LLAMA, [1, 15, 28], [1, 15, 28]),
+        ("sglang", "0.5.12", LLAMA, [1, 15, 28], [1, 15, 28]),  # llama.py: +1 in every release
         ("sglang", "0.5.5", KIMI, [2, 30, 58], [2, 30, 58]),  # the user's run: captured as [3, 31, 59]
         ("sglang", "0.5.11", DEEPSEEK, [2, 30, 58], [2, 30, 58]),
-        ("sglang", "0.5.12", KIMI, [2, 30, 58], [3, 31, 59]),  # PR #25454: no +1 unless the first id is 1
+        ("sglang", "0.5.13", KIMI, [2, 30, 58], [3, 31, 59]),  # PR #25454: no +1 unless the first id is 1
+        ("sglang", "0.5.14", KIMI, [2, 30, 58], [3, 31, 59]),
         ("sglang", "0.5.19", DEEPSEEK, [2, 30, 58], [3, 31, 59]),
-        ("sglang", "0.5.12.post1", KIMI, [1, 29, 57], [1, 29, 57]),  # first id 1: the server adds 1
+        ("sglang", "0.5.14.post1", KIMI, [1, 29, 57], [1, 29, 57]),  # first id 1: the server adds 1
         ("vllm", "0.12.0", LLAMA, [1, 15, 28], [2, 16, 29]),  # vLLM's own default (2, N//2, N-3)
-        ("vllm", "0.12.0", KIMI, [2, 30, 58], [3, 31, 59]),
+        ("vllm", "0.25.1", KIMI, [2, 30, 58], [3, 31, 59]),
+        ("vllm", "0.25.1", LLAMA, [1, 15, 31], [2, 16, 32]),  # the last layer's output: id N, since 0.25
     ],
 )
 def test_aux_ids_are_translated_per_engine_family_and_version(engine, version, target, ours, written):
-    ids, rule = engine_aux_ids(engine, version, target, ours)
-    assert ids == written
-    assert rule.captures(ids) == [i + 1 for i in ours]  # the input of layer i+1 = output of layer i
-    assert our_aux_ids(engine, version, target, ids) == ours
+    from draftflow.engines.layer_ids import architecture_of, sglang_captures
+
+    ids = engine_aux_ids(engine, version, target, ours)
+    assert ids.ids == written and ids.captures_input_of_layers == [i + 1 for i in ours]
+    if engine == "sglang":  # what the server then does with them: the input of layer i+1 = output of layer i
+        assert sglang_captures(written, architecture_of(target), version) == [i + 1 for i in ours]
+    assert our_aux_ids(engine, version, target, written) == ours
 
 
-def test_aux_ids_an_engine_cannot_capture_are_refused():
-    with pytest.raises(DraftflowError, match="first id is 1|cannot be requested"):
-        engine_aux_ids("sglang", "0.5.12", KIMI, [0, 30, 58])  # would need config [1, …], which gets +1
-    assert engine_aux_ids("sglang", "0.5.11", KIMI, [0, 30, 58])[0] == [0, 30, 58]
-    with pytest.raises(DraftflowError, match="last decoder layer"):
-        engine_aux_ids("vllm", "0.12.0", LLAMA, [1, 15, 31])
+def test_aux_ids_or_releases_the_table_cannot_answer_are_refused():
+    with pytest.raises(DraftflowError, match="aux layer id 0 cannot be expressed"):
+        engine_aux_ids("sglang", "0.5.14", KIMI, [0, 30, 58])  # would need config [1, …], which gets +1
+    assert engine_aux_ids("sglang", "0.5.11", KIMI, [0, 30, 58]).ids == [0, 30, 58]
+    for version in ("0.5.12", "0.5.12.post1"):  # branched around PR #25454: unknown rule
+        with pytest.raises(DraftflowError, match="not known whether this release has PR #25454"):
+            engine_aux_ids("sglang", version, KIMI, [2, 30, 58])
+        with pytest.raises(DraftflowError, match="not known whether"):
+            our_aux_ids("sglang", version, DEEPSEEK, [3, 31, 59])
+    with pytest.raises(DraftflowError, match="last decoder layer.*SGLang captures layer inputs"):
+        engine_aux_ids("sglang", "0.5.14", LLAMA, [1, 15, 31])
+    with pytest.raises(DraftflowError, match="#46973"):
+        engine_aux_ids("vllm", "0.24.0", LLAMA, [1, 15, 31])
+    with pytest.raises(DraftflowError, match="speculators drafter config"):
+        engine_aux_ids("vllm", "0.11.0", LLAMA, [1, 15, 28])
+    with pytest.raises(DraftflowError, match="no layer-id rules for model_type 'gpt_oss'"):
+        engine_aux_ids("sglang", "0.5.14", {"model_type": "gpt_oss", "num_hidden_layers": 36}, [1, 17, 32])
     with pytest.raises(DraftflowError, match="increasing"):
         engine_aux_ids("sglang", "0.5.5", LLAMA, [15, 1, 28])
+    with pytest.raises(DraftflowError, match="cannot read the version"):
+        engine_aux_ids("sglang", "latest", LLAMA, [1, 15, 28])
+
+
+def kimi_like(saved, tmp_path, aux):
+    """A drafter trained on `aux` of the tiny target, whose config.json says it is a Kimi-K2.5."""
+    model = tiny_target(vocab=V, layers=LAYERS, dtype=torch.float32)
+    drafter = tiny_drafter(model, aux=aux, draft_vocab=VD, dtype=torch.float32)
+    save_drafter(drafter, tmp_path / "drafter", dtype=torch.float32)
+    target = tmp_path / "kimi"
+    target.mkdir()
+    config = dict(KIMI, text_config=dict(KIMI["text_config"], num_hidden_layers=LAYERS))
+    (target / "config.json").write_text(json.dumps(config))
+    return tmp_path / "drafter", target
+
+
+@pytest.mark.parametrize("version, written", [("0.5.14", [3, 4, 5]), ("0.5.11", [2, 3, 4])])
+def test_export_writes_the_ids_the_configured_sglang_expects_for_a_deepseek_family_target(
+    saved, tmp_path, version, written
+):
+    """The user's case in small: a drafter trained on layers [2, 3, 4] of a deepseek_v2-family
+    target must make SGLang capture the inputs of layers [3, 4, 5] in the configured release."""
+    drafter, target = kimi_like(saved, tmp_path, [2, 3, 4])
+    settings = {"sglang_version": version, "vllm_version": "0.25.1", "aux_layer_ids": [2, 3, 4]}
+    args = ["export", "--drafter", str(drafter), "--target", str(target), "--settings", json.dumps(settings),
+            "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    assert cli_main(args) == 0
+    config = json.loads((tmp_path / "out" / "sglang" / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == written
+    manifest = json.loads((tmp_path / "out" / "export.json").read_text())
+    assert manifest["sglang"]["captures_input_of_layers"] == [3, 4, 5]
+    assert "PR #25454" in manifest["sglang"]["rule"]
+    vllm = json.loads((tmp_path / "out" / "vllm" / "config.json").read_text())
+    assert vllm["eagle_aux_hidden_state_layer_ids"] == [3, 4, 5]  # vLLM: id j = input of layer j
+
+
+def test_export_refuses_a_release_the_table_cannot_place_before_writing(saved, tmp_path, capsys):
+    drafter, target = kimi_like(saved, tmp_path, [2, 3, 4])
+    settings = {"sglang_version": "0.5.12.post1", "vllm_version": "0.25.1"}
+    args = ["export", "--drafter", str(drafter), "--target", str(target), "--settings", json.dumps(settings),
+            "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    assert cli_main(args) == 1
+    err = capsys.readouterr().err
+    assert "SGLang 0.5.12.post1" in err and "set_eagle3_layers_to_capture" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_default_export_targets_the_schema_default_releases():
+    import yaml
+
+    from draftflow.export import ExportSettings
+
+    schema = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "config/schema/config.schema.yaml")))
+    export_props = schema["properties"]["export"]["properties"]
+    extract_props = schema["properties"]["extract"]["properties"]
+    assert ExportSettings().sglang_version == export_props["sglang_version"]["default"]
+    assert ExportSettings().vllm_version == export_props["vllm_version"]["default"]
+    assert export_props["sglang_version"]["default"] == extract_props["sglang"]["properties"]["version"]["default"]
+    assert export_props["vllm_version"]["default"] == extract_props["vllm"]["properties"]["version"]["default"]
 
 
 # ---------------------------------------------------------------- launch commands

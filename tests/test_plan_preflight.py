@@ -221,3 +221,88 @@ def test_cli_preflight(tmp_path, capsys):
     assert cli.main(args) == 1
     assert "not enough free disk" in capsys.readouterr().err
     assert not out.exists()
+
+
+# ---------------------------------------------------------------- server checks (regenerate.engine: openai)
+
+
+def closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def models_server():
+    """A minimal OpenAI-compatible /v1/models endpoint on 127.0.0.1 serving 'target-7b'."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            body = json.dumps({"object": "list", "data": [{"id": "target-7b", "object": "model"}]}).encode()
+            status = 200 if self.path == "/v1/models" else 404
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+def regenerate(endpoints, model="target-7b", engine="openai") -> dict:
+    return {"engine": engine, "batch_size": 64, "openai": {"endpoints": endpoints, "model": model, "api_key_env": None}}
+
+
+def test_cli_preflight_refuses_an_unreachable_regenerate_endpoint(tmp_path, capsys):
+    out = tmp_path / "preflight.json"
+    plan_path = tmp_path / "storage_plan.json"
+    write_json(plan_path, plan_of(1000))
+    dead = f"http://127.0.0.1:{closed_port()}/v1"
+    settings = {"free_disk_margin": 0.1, "regenerate": regenerate([dead]), "server_timeout_s": 5}
+    args = ["preflight", "--plan", str(plan_path), "--path", str(tmp_path / "hs"),
+            "--settings", json.dumps(settings), "--output", str(out)]  # fmt: skip
+    assert cli.main(args) == 1
+    err = capsys.readouterr().err
+    assert "preflight refused" in err and f"{dead}/models is not reachable" in err
+    assert not out.exists()
+
+
+def test_preflight_server_checks_pass_a_live_endpoint_and_refuse_a_wrong_model(tmp_path, models_server):
+    settings = PreflightSettings(regenerate=regenerate([models_server]))
+    report = preflight(plan_of(1), tmp_path, settings)
+    names = [c["name"] for c in report["checks"]]
+    assert names == ["free_disk", "openai_endpoints", "served_model"]
+    assert report["checks"][-1]["details"]["models"] == ["target-7b"]
+
+    with pytest.raises(DraftflowError, match=r"serves \['target-7b'\], not regenerate.openai.model = 'other'"):
+        preflight(plan_of(1), tmp_path, PreflightSettings(regenerate=regenerate([models_server], model="other")))
+    with pytest.raises(DraftflowError, match="regenerate.openai.endpoints is empty"):
+        preflight(plan_of(1), tmp_path, PreflightSettings(regenerate=regenerate([])))
+    # engine hf: no server to check, even with stale endpoints in the config
+    hf = PreflightSettings(regenerate=regenerate([f"http://127.0.0.1:{closed_port()}/v1"], engine="hf"))
+    assert [c["name"] for c in preflight(plan_of(1), tmp_path, hf)["checks"]] == ["free_disk"]
+
+
+def test_cli_preflight_without_a_plan_checks_only_the_servers(tmp_path, models_server):
+    out = tmp_path / "preflight.json"
+    settings = {"regenerate": regenerate([models_server])}
+    args = ["preflight", "--path", str(tmp_path), "--settings", json.dumps(settings), "--output", str(out)]
+    assert cli.main(args) == 0
+    checks = read_json(out)["checks"]
+    assert checks[0]["name"] == "free_disk" and checks[0]["details"] == {"skipped": True}
+    assert checks[-1]["name"] == "served_model" and checks[-1]["ok"]
+    with pytest.raises(DraftflowError, match="unknown key"):
+        PreflightSettings.from_dict({"regenerat": {}})

@@ -55,11 +55,19 @@ def test_deepseek_v2_rule_for_kimi_and_deepseek(arch):
     assert L.sglang_draft_ids([1, 29, 57], n, a, "0.5.14") == [1, 29, 57]  # default ids: +1 by SGLang
     with pytest.raises(CaptureError, match="aux layer id 0 cannot be expressed"):
         L.sglang_draft_ids([0, 29, 57], n, a, "0.5.14")
+    assert L.sglang_draft_ids([2, 30, 58], n, a, "0.5.13") == [3, 31, 59]  # first release assumed
     # Before it, +1 always:
     assert L.sglang_draft_ids([2, 30, 58], n, a, "0.5.5") == [2, 30, 58]
     assert L.sglang_draft_ids([0, 29, 57], n, a, "0.5.11") == [0, 29, 57]
-    with pytest.raises(CaptureError, match="not known whether this release has PR #25454"):
-        L.sglang_draft_ids([2, 30, 58], n, a, "0.5.12.post1")
+    for version in ("0.5.12", "0.5.12.post1"):  # branched around the merge: unknown, refused
+        with pytest.raises(CaptureError, match="not known whether this release has PR #25454"):
+            L.sglang_draft_ids([2, 30, 58], n, a, version)
+    # SGLang's own function, forward: what the server captures from a draft config's ids
+    assert L.sglang_captures([3, 31, 59], a, "0.5.14") == [3, 31, 59]
+    assert L.sglang_captures([1, 29, 57], a, "0.5.14") == [2, 30, 58]
+    assert L.sglang_captures([2, 30, 58], a, "0.5.11") == [3, 31, 59]
+    with pytest.raises(CaptureError, match="last decoder layer"):
+        L.sglang_draft_ids([2, 30, 60], n, a, "0.5.14")  # layers_to_capture 61 does not exist
     # vLLM: output of layer i = id i + 1, final = id N before the norm; needs PR #46973
     assert L.vllm_layer_ids([2, 30, 58], n, a, "0.25.1") == [3, 31, 59, 61]
     with pytest.raises(CaptureError, match="#46973"):
@@ -78,6 +86,34 @@ def test_architecture_lookup_and_range_checks():
     assert ids.aux_ids == [3, 31, 59] and "eagle_aux_hidden_state_layer_ids=[3, 31, 59]" in ids.id_meaning
     ids = L.vllm_engine_layer_ids([2, 30, 58], 61, KIMI, "0.25.1")
     assert ids.aux_ids == [3, 31, 59] and "id 61" in ids.final
+
+
+def test_one_table_serves_capture_data_config_and_export():
+    """capture.py's engine_layer_ids, the engines' records and export's drafter-config ids all
+    come from layer_ids.py, and agree: the ids a data_config.json names for SGLang are the ids
+    the export writes for the same release."""
+    from draftflow.engines import capture
+    from draftflow.export import engine_aux_ids
+
+    assert not hasattr(capture, "ENGINE_LAYER_CONVENTIONS")
+    kimi = {"model_type": "kimi_k25", "text_config": {"num_hidden_layers": 61}}
+    for engine, version in (("hf", None), ("sglang", "0.5.14"), ("vllm", "0.25.1")):
+        ours = capture.engine_layer_ids(engine, [2, 30, 58], 61, KIMI, version)
+        assert ours == L.engine_layer_ids(engine, [2, 30, 58], 61, KIMI, version)
+        assert ours.aux_ids == [3, 31, 59]  # every engine's own id of "output of layer i": i + 1
+    record = L.engine_layer_ids("sglang", [2, 30, 58], 61, KIMI, "0.5.14").id_meaning
+    written = engine_aux_ids("sglang", "0.5.14", kimi, [2, 30, 58]).ids
+    assert f"eagle_aux_hidden_state_layer_ids={written}" in record and written == [3, 31, 59]
+    # a release the table cannot place: extraction records why, export refuses
+    unknown = L.engine_layer_ids("sglang", [2, 30, 58], 61, KIMI, "0.5.12")
+    assert "no draft config for SGLang 0.5.12" in unknown.id_meaning
+    with pytest.raises(CaptureError, match="not known whether"):
+        engine_aux_ids("sglang", "0.5.12", kimi, [2, 30, 58])
+    # the vLLM extraction ids (+ final N) and the vLLM drafter-config ids share the aux part
+    vllm_draft = engine_aux_ids("vllm", "0.25.1", kimi, [2, 30, 58]).ids
+    assert L.vllm_layer_ids([2, 30, 58], 61, KIMI, "0.25.1")[:-1] == vllm_draft
+    assert L.aux_from_draft_ids("sglang", [3, 31, 59], kimi, "0.5.14") == [2, 30, 58]
+    assert L.aux_from_draft_ids("vllm", [3, 31, 59], kimi, "0.25.1") == [2, 30, 58]
 
 
 # ---------------------------------------------------------------- runtime arguments

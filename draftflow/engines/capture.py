@@ -3,8 +3,9 @@
 An engine returns, per sample, a tensor [T, L, H]: the L-1 auxiliary layers in config
 order, then the final state (the last layer's output after the final norm, what the LM
 head reads). Config layer ids follow DESIGN.md §3: aux id i = output of decoder layer i,
-counted from 0. Every engine numbers layers its own way; `ENGINE_LAYER_CONVENTIONS`
-below is the one place that translates, and `data_config.json` records both.
+counted from 0. Every engine numbers layers its own way; `draftflow/engines/layer_ids.py`
+is the one place that translates (for capture, data_config.json and export alike), and
+`data_config.json` records both.
 
 Every capture must pass `check_capture` before it is stored: a server with prefix
 (radix) caching returns rows only for the uncached suffix, and a broken kernel can
@@ -16,7 +17,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -54,54 +55,17 @@ class EngineLayerIds:
         }
 
 
-def _hf_ids(aux: list[int], num_layers: int) -> EngineLayerIds:
-    # output_hidden_states[0] = embeddings, [i + 1] = output of decoder layer i; [-1] is
-    # replaced by the post-norm state, so the final comes from a hook on the final norm.
-    return EngineLayerIds(
-        "hf", [i + 1 for i in aux], "hf_hidden_states_index (0 = embeddings, i + 1 = output of layer i)",
-        "output of model.norm (forward hook)",
-    )
+def engine_layer_ids(
+    engine: str, aux_layer_ids: Sequence[int], num_layers: int, arch=None, version: str | None = None
+) -> EngineLayerIds:
+    """Translate config aux ids (output of layer i, 0-based) into `engine`'s own ids.
 
+    The table is `draftflow/engines/layer_ids.py` (the one place, shared with export); `arch`
+    (a layer_ids.Architecture) and `version` add what depends on the engine release.
+    """
+    from draftflow.engines.layer_ids import engine_layer_ids as _table
 
-def _sglang_ids(aux: list[int], num_layers: int) -> EngineLayerIds:
-    # layers_to_capture=[j] captures the *input* of layer j = output of layer j - 1.
-    # Whether a model's set_eagle3_layers_to_capture adds the +1 itself differs per model
-    # and version (deepseek_v2.py since PR #25454 only when the first id is 1): the SGLang
-    # adapter must hand the server ids it will not shift again.
-    return EngineLayerIds(
-        "sglang", [i + 1 for i in aux], "sglang layers_to_capture (j = input of layer j)",
-        "last layer output after the final norm",
-    )
-
-
-def _vllm_ids(aux: list[int], num_layers: int) -> EngineLayerIds:
-    # extract_hidden_states: 0 = embeddings, i + 1 = output of layer i, num_layers = last
-    # layer output *before* the final norm, so the adapter applies the norm itself.
-    return EngineLayerIds(
-        "vllm", [i + 1 for i in aux], "vllm extract_hidden_states id (0 = embeddings, i + 1 = output of layer i)",
-        f"id {num_layers} (pre-norm) with the target's final norm applied",
-    )
-
-
-ENGINE_LAYER_CONVENTIONS: dict[str, Callable[[list[int], int], EngineLayerIds]] = {
-    "hf": _hf_ids,
-    "sglang": _sglang_ids,
-    "vllm": _vllm_ids,
-}
-
-
-def engine_layer_ids(engine: str, aux_layer_ids: Sequence[int], num_layers: int) -> EngineLayerIds:
-    """Translate config aux ids (output of layer i, 0-based) into `engine`'s own ids."""
-    aux = [int(i) for i in aux_layer_ids]
-    bad = [i for i in aux if not 0 <= i < num_layers]
-    if bad:
-        raise CaptureError(
-            f"extract.aux_layer_ids {bad} out of range: the target has {num_layers} decoder "
-            f"layers (ids 0..{num_layers - 1}, DESIGN.md §3)"
-        )
-    if engine not in ENGINE_LAYER_CONVENTIONS:
-        raise CaptureError(f"unknown capture engine {engine!r}; known: {sorted(ENGINE_LAYER_CONVENTIONS)}")
-    return ENGINE_LAYER_CONVENTIONS[engine](aux, num_layers)
+    return _table(engine, aux_layer_ids, num_layers, arch, version)
 
 
 def layer_names(aux_layer_ids: Sequence[int]) -> list[str]:

@@ -2,31 +2,59 @@
 
 Our convention (DESIGN.md §3): aux id i = the output of decoder layer i, counted from 0;
 the final state = the last layer's output after the final norm. Each engine names the
-same tensors differently, and one of them changed its rule between versions:
+same tensors differently, and one of them changed its rule between versions. Everything
+that names layers for an engine asks this module:
 
-| engine | id the engine takes | final state |
+- capture engines: what the engine is asked to capture (`hf_hidden_state_indices`,
+  `vllm_layer_ids`; the SGLang engine hooks layer modules by our ids directly);
+- data_config.json: the engine's own ids and their meaning (`engine_layer_ids`);
+- export / import: the ids a drafter config carries (`draft_config_ids`, `aux_from_draft_ids`).
+
+| engine | id the engine takes for our aux id i | final state |
 |---|---|---|
 | HF transformers | `hidden_states[i + 1]` (0 = embeddings) | hook on the final norm |
 | SGLang capture (`layers_to_capture`) | j = i + 1 (captures the *input* of layer j) | post-norm |
-| SGLang draft config (`eagle_aux_hidden_state_layer_ids`) | see `sglang_draft_ids` | post-norm |
-| vLLM `extract_hidden_states` | i + 1 (0 = embeddings) | id N, *pre*-norm: we apply the norm |
+| SGLang draft config (`eagle_aux_hidden_state_layer_ids`) | see `sglang_captures` | (not used) |
+| vLLM `extract_hidden_states` / draft config | i + 1 (0 = embeddings) | id N, *pre*-norm: we apply the norm |
 
-SGLang's `set_eagle3_layers_to_capture(ids)` turns the ids a draft config carries into
-`layers_to_capture`. Llama/Qwen add 1 to every id (python/sglang/srt/models/llama.py,
-qwen3.py). DeepSeek-V2/V3 and Kimi-K2.5 (python/sglang/srt/models/deepseek_v2.py, which
-Kimi-K2.5's text model reuses) added 1 unconditionally until PR #25454 (merged
-2026-05-16); since then they add 1 only when the first id is 1 and take the ids as
-`layers_to_capture` otherwise. So our aux ids [2, 30, 58] must be written as [3, 31, 59]
-for a new SGLang serving Kimi, and [1, 29, 57] stay [1, 29, 57]; an aux id 0 cannot be
-expressed at all there. This is the user's "[2, 30, 58] was captured as [3, 31, 59]".
+SGLang. A drafter's `eagle_aux_hidden_state_layer_ids` go to the target model's
+`set_eagle3_layers_to_capture(ids)`, which sets `layers_to_capture`; the forward appends
+`hidden_states + residual` *before* layer j for j in `layers_to_capture` (the input of
+layer j = output of layer j - 1; the loop never reaches j = N, so the last layer's output
+cannot be an aux state). We need layers_to_capture = [i + 1].
+- llama.py, qwen2.py, qwen3.py, qwen3_moe.py: `[val + 1 for val in layer_ids]` in every
+  release (still so in 2026 copies next to DFlash/Gemma-4 code).
+- deepseek_v2.py (DeepSeek-V2/V3, Kimi-K2; Kimi-K2.5's `kimi_k25.py` delegates to it):
+  +1 always (PR #12319, 2025-10) until PR #25454 "fix(eagle3): drop +1 offset on aux layer
+  ids when first id != 1" (Qiaolin-Yu, opened and merged 2026-05-16): since then
+  `[val + 1 ...] if layer_ids[0] == 1 else list(layer_ids)`. So our [2, 30, 58] must be
+  written [3, 31, 59] for a new SGLang serving Kimi and [1, 29, 57] stays [1, 29, 57]; an
+  aux id 0 cannot be expressed at all ([0, …] is taken as the embeddings, [1, …] gets +1).
+  The user's run: ids [2, 30, 58] (+ final after layer 60) were captured as
+  layers_to_capture [3, 31, 59].
+  Release boundary (evidence, 2026 release records): v0.5.11 was released 2026-05-06,
+  before the merge -> old rule. v0.5.12 was released from the branch `release/v0.5.12`
+  by 2026-05-18 (AWS DLC image notes of that date); that branch existed by 2026-05-19
+  and main-branch fixes merged before 2026-05-16 (e.g. #25396) reached it only by
+  cherry-pick (#26154, 2026-05-23, for 0.5.12.postN). No cherry-pick of #25454 was
+  found, so 0.5.12 most likely has the old rule, but a .postN may carry it: refused as
+  unknown. v0.5.13 (released 2026-06-13, branched from main after the merge) is the
+  first release assumed to have the new rule. Not verified against a real install.
+- Other model files differ (gpt_oss.py reads ids as boundary indices since PR #32334,
+  2026-07; glm4_moe_lite.py has the first-id rule too): architectures not in
+  `ARCHITECTURES` are refused.
 
-vLLM's `extract_hidden_states` (PR #33736) numbers hidden states like HF; the last
-layer's output is id N and comes *before* the final norm (docs/features/speculative_decoding/
-extract_hidden_states.md). DeepSeek-V2-family models captured only layer *inputs* (ids
-0..N-1) until PR #46973 (merged 2026-06-28) added the final layer's output.
+vLLM. `extract_hidden_states` (PR #33736) and EAGLE-3 serving both hand the ids to the
+target's `set_aux_hidden_state_layers`: id 0 = embeddings, id j = output of layer j - 1 =
+input of layer j (llama-style backbones through `EagleModelMixin._maybe_add_hidden_state`
+since PR #36063; before it, and in deepseek_v2.py, by appending before layer j: the same
+numbering). Id N (the last layer's output, *before* the final norm) exists for
+DeepSeek-V2-family models only since PR #46973 (mgoin, merged 2026-06-28; vLLM 0.24.0 was
+released 2026-07-01 from a branch cut before it, 0.25.0 on ~2026-07-11): extraction needs
+>= 0.25.0. A drafter config's ids are read from a speculators config since PR #25961
+(2025-10; before it vLLM silently used its default (2, N//2, N-3)): export needs >= 0.12.0.
 
-Version boundaries are release numbers we believe contain those PRs, by merge date and
-release date; where a release is ambiguous the function refuses and says what to check.
+Where a release cannot be placed, the functions refuse and say what to check.
 """
 
 from __future__ import annotations
@@ -37,15 +65,20 @@ from typing import Any, Mapping, Sequence
 
 from draftflow.engines.capture import CaptureError, EngineLayerIds
 
+ENGINES = ("hf", "sglang", "vllm")
+
 # ---------------------------------------------------------------- versions
 
-# SGLang: the first release with PR #25454 (deepseek_v2 "+1 only when the first id is 1").
-# 0.5.12 shipped around the merge date, so it is not known which rule it has.
+# SGLang: first release assumed to have PR #25454 (deepseek_v2: +1 only when the first id is 1).
 SGLANG_DEEPSEEK_FIRST_ID_RULE = (0, 5, 13)
+# 0.5.12 (and its .postN): branched around the merge; most likely the old rule, not verified.
 SGLANG_DEEPSEEK_AMBIGUOUS = (0, 5, 12)
-# vLLM: the first release where `extract_hidden_states` can capture the last layer's output
-# of every architecture below (PR #46973 for deepseek_v2; Llama/Qwen had it earlier).
+# vLLM: first release where `extract_hidden_states` captures the last layer's output (id N) of
+# every architecture below (PR #46973 for deepseek_v2; Llama/Qwen had it earlier).
 VLLM_FINAL_LAYER_CAPTURE = (0, 25, 0)
+# vLLM: first release assumed to read `eagle_aux_hidden_state_layer_ids` from a speculators
+# drafter config (PR #25961, merged 2025-10).
+VLLM_DRAFT_CONFIG_IDS = (0, 12, 0)
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -96,6 +129,14 @@ def architecture_of(config: Mapping[str, Any]) -> Architecture:
     )
 
 
+def num_decoder_layers(config: Mapping[str, Any]) -> int:
+    """Decoder layers of a HF config.json; multimodal wrappers (Kimi-K2.5) keep them in text_config."""
+    for source in (config, config.get("text_config") or {}):
+        if source.get("num_hidden_layers"):
+            return int(source["num_hidden_layers"])
+    raise CaptureError(f"the target config (model_type {config.get('model_type')!r}) has no num_hidden_layers")
+
+
 def _check_range(aux: Sequence[int], num_layers: int) -> list[int]:
     aux = [int(i) for i in aux]
     bad = [i for i in aux if not 0 <= i < num_layers]
@@ -107,7 +148,7 @@ def _check_range(aux: Sequence[int], num_layers: int) -> list[int]:
     return aux
 
 
-# ---------------------------------------------------------------- per engine
+# ---------------------------------------------------------------- capture ids (no version dependence)
 
 
 def hf_hidden_state_indices(aux: Sequence[int], num_layers: int) -> list[int]:
@@ -123,43 +164,81 @@ def sglang_layers_to_capture(aux: Sequence[int], num_layers: int) -> list[int]:
     return [i + 1 for i in _check_range(aux, num_layers)]
 
 
+def vllm_capture_ids(aux: Sequence[int], num_layers: int) -> list[int]:
+    """vLLM ids of our aux ids: i + 1 (0 is the embeddings), in every version."""
+    return [i + 1 for i in _check_range(aux, num_layers)]
+
+
+# ---------------------------------------------------------------- SGLang draft config
+
+
+def sglang_captures(ids: Sequence[int], arch: Architecture, version: str) -> list[int]:
+    """SGLang `version`'s `set_eagle3_layers_to_capture`: a draft config's ids -> `layers_to_capture`."""
+    ids = [int(i) for i in ids]
+    if arch.family == "llama":
+        return [i + 1 for i in ids]  # llama.py / qwen*.py: always +1
+    v = parse_version(version)
+    if v < SGLANG_DEEPSEEK_AMBIGUOUS:
+        return [i + 1 for i in ids]  # deepseek_v2.py before PR #25454: always +1
+    if v < SGLANG_DEEPSEEK_FIRST_ID_RULE:
+        raise CaptureError(
+            f"SGLang {version} ({arch.name}): it is not known whether this release has PR #25454 "
+            "(deepseek_v2.py adds +1 to a draft's aux ids only when the first id is 1). 0.5.12 was "
+            "branched around the merge and most likely adds +1 always, but a .postN may carry it. Read "
+            "`set_eagle3_layers_to_capture` in sglang/srt/models/deepseek_v2.py of your install: if it "
+            "adds 1 to every id, set the version to 0.5.11 here; if only when the first id is 1, to "
+            f"{format_version(SGLANG_DEEPSEEK_FIRST_ID_RULE)}."
+        )
+    # PR #25454: first id == 1 -> every id gets +1; otherwise the ids are layers_to_capture as given.
+    return [i + 1 for i in ids] if ids and ids[0] == 1 else ids
+
+
+def _sglang_rule(arch: Architecture, version: str) -> str:
+    if arch.family == "llama":
+        return f"sglang {arch.name}: layers_to_capture = [id + 1 for id in ids] (every version)"
+    if parse_version(version) < SGLANG_DEEPSEEK_AMBIGUOUS:
+        return f"sglang {version} deepseek_v2.py ({arch.name}), before PR #25454: layers_to_capture = ids + 1"
+    return (
+        f"sglang {version} deepseek_v2.py ({arch.name}), PR #25454: layers_to_capture = ids + 1 "
+        "if ids[0] == 1 else ids"
+    )
+
+
 def sglang_draft_ids(aux: Sequence[int], num_layers: int, arch: Architecture, version: str) -> list[int]:
     """The `eagle_aux_hidden_state_layer_ids` that make SGLang `version` capture our aux ids.
 
-    SGLang passes a draft config's ids to the target's `set_eagle3_layers_to_capture`, which
-    maps them to `layers_to_capture`; we need layers_to_capture = [i + 1].
+    We need `sglang_captures(ids) == [i + 1 for i in aux]`; the candidates are aux (for a
+    +1 rule) and aux + 1 (ids taken as given).
     """
     aux = _check_range(aux, num_layers)
-    if arch.family == "llama":
-        return list(aux)  # llama.py / qwen*.py: layers_to_capture = [id + 1 for id in ids]
-    v = parse_version(version)
-    if v < SGLANG_DEEPSEEK_AMBIGUOUS:
-        return list(aux)  # deepseek_v2.py before PR #25454: +1 always
-    if v < SGLANG_DEEPSEEK_FIRST_ID_RULE:
+    if aux and max(aux) == num_layers - 1:
         raise CaptureError(
-            f"SGLang {version}: it is not known whether this release has PR #25454 (deepseek_v2 adds "
-            "+1 to the draft's aux ids only when the first id is 1). Check "
-            "`set_eagle3_layers_to_capture` in sglang/srt/models/deepseek_v2.py of your install, or "
-            f"use SGLang <= 0.5.11 or >= {format_version(SGLANG_DEEPSEEK_FIRST_ID_RULE)}."
+            f"aux layer {num_layers - 1} is the output of the last decoder layer: SGLang captures layer "
+            f"inputs (layers_to_capture < {num_layers}), so it cannot feed it to a drafter. Choose aux "
+            f"layers below {num_layers - 1}."
         )
-    # PR #25454: first id == 1 -> every id gets +1; otherwise ids are layers_to_capture as given.
-    if aux[0] == 1:
-        return list(aux)
-    if aux[0] == 0:
+    wanted = [i + 1 for i in aux]
+    for candidate in (aux, wanted):
+        if sglang_captures(candidate, arch, version) == wanted:
+            return candidate
+    if aux and aux[0] == 0:
         raise CaptureError(
-            f"aux layer id 0 cannot be expressed for {arch.name} in SGLang >= "
-            f"{format_version(SGLANG_DEEPSEEK_FIRST_ID_RULE)}: its deepseek_v2.py would read "
-            "[1, ...] as 'add one' and [0, ...] as the embeddings. Choose aux ids starting at 1 or more."
+            f"aux layer id 0 cannot be expressed for {arch.name} in SGLang {version} (>= "
+            f"{format_version(SGLANG_DEEPSEEK_FIRST_ID_RULE)}): its deepseek_v2.py reads [1, ...] as "
+            "'add one' and [0, ...] as the embeddings. Choose aux ids starting at 1 or more."
         )
-    return [i + 1 for i in aux]
+    raise CaptureError(f"aux layers {aux} cannot be requested from SGLang {version} for {arch.name}")
+
+
+# ---------------------------------------------------------------- vLLM
 
 
 def vllm_layer_ids(aux: Sequence[int], num_layers: int, arch: Architecture, version: str) -> list[int]:
-    """vLLM `eagle_aux_hidden_state_layer_ids` for our aux ids + the final: [i + 1 ...] + [N].
+    """vLLM `extract_hidden_states` ids for our aux ids + the final: [i + 1 ...] + [N].
 
     Id N is the last layer's output *before* the final norm; the vLLM engine applies the norm.
     """
-    aux = _check_range(aux, num_layers)
+    ids = vllm_capture_ids(aux, num_layers)
     v = parse_version(version)
     if v < VLLM_FINAL_LAYER_CAPTURE:
         why = (
@@ -171,32 +250,153 @@ def vllm_layer_ids(aux: Sequence[int], num_layers: int, arch: Architecture, vers
             f"vLLM {version} is too old for extraction of {arch.name}: {why}. Use vLLM >= "
             f"{format_version(VLLM_FINAL_LAYER_CAPTURE)} (set extract.vllm.version to the installed release)."
         )
-    return [i + 1 for i in aux] + [num_layers]
+    return ids + [num_layers]
+
+
+def vllm_draft_ids(aux: Sequence[int], num_layers: int, arch: Architecture, version: str) -> list[int]:
+    """The `eagle_aux_hidden_state_layer_ids` of a speculators drafter config for vLLM `version`: i + 1."""
+    ids = vllm_capture_ids(aux, num_layers)
+    v = parse_version(version)
+    if v < VLLM_DRAFT_CONFIG_IDS:
+        raise CaptureError(
+            f"vLLM {version}: releases before {format_version(VLLM_DRAFT_CONFIG_IDS)} are not known to read "
+            "eagle_aux_hidden_state_layer_ids from a speculators drafter config (PR #25961) and would serve "
+            "the drafter with their default layers (2, N//2, N-3). Set export.vllm_version to the release "
+            f"you serve with, >= {format_version(VLLM_DRAFT_CONFIG_IDS)}."
+        )
+    if num_layers in ids and v < VLLM_FINAL_LAYER_CAPTURE:
+        raise CaptureError(
+            f"aux layer {num_layers - 1} is the output of the last decoder layer (vLLM id {num_layers}); vLLM "
+            f"{version} cannot capture it for {arch.name} (PR #46973). Use vLLM >= "
+            f"{format_version(VLLM_FINAL_LAYER_CAPTURE)} or aux layers below {num_layers - 1}."
+        )
+    return ids
+
+
+# ---------------------------------------------------------------- what a drafter config carries
+
+
+@dataclass(frozen=True)
+class DraftIds:
+    """The aux ids a drafter config carries for one engine release, and what they make it capture."""
+
+    engine: str
+    version: str
+    arch: str
+    ids: list[int]  # eagle_aux_hidden_state_layer_ids to write
+    captures_input_of_layers: list[int]  # = our aux ids + 1
+    rule: str  # the rule applied and where it comes from
+
+    def as_json(self) -> dict:
+        return {
+            "version": self.version,
+            "eagle_aux_hidden_state_layer_ids": self.ids,
+            "captures_input_of_layers": self.captures_input_of_layers,
+            "rule": self.rule,
+        }
+
+
+def draft_config_ids(engine: str, aux: Sequence[int], target_config: Mapping[str, Any], version: str) -> DraftIds:
+    """Our aux ids -> the ids a drafter config must carry so that `engine` `version` serving this
+    target captures exactly the layers the drafter was trained on."""
+    aux = [int(i) for i in aux]
+    if aux != sorted(set(aux)):
+        # Engines append captured states in layer order; fc's input order must match.
+        raise CaptureError(f"aux layer ids must be strictly increasing for serving, got {aux}")
+    parse_version(version)  # every release string must be one, whether or not the rule depends on it
+    arch, num_layers = architecture_of(target_config), num_decoder_layers(target_config)
+    if engine == "sglang":
+        ids = sglang_draft_ids(aux, num_layers, arch, version)
+        rule = _sglang_rule(arch, version)
+    elif engine == "vllm":
+        ids = vllm_draft_ids(aux, num_layers, arch, version)
+        rule = f"vllm {version} {arch.name}: id j = input of layer j (0 = embeddings, N = last output pre-norm)"
+    else:
+        raise CaptureError(f"no drafter config ids for engine {engine!r}; known: sglang, vllm")
+    return DraftIds(engine, str(version), arch.name, ids, [i + 1 for i in aux], rule)
+
+
+def aux_from_draft_ids(engine: str, ids: Sequence[int], target_config: Mapping[str, Any], version: str) -> list[int]:
+    """The inverse: our aux ids of the layers a drafter config's ids make `engine` `version` capture."""
+    parse_version(version)
+    arch, num_layers = architecture_of(target_config), num_decoder_layers(target_config)
+    if engine == "sglang":
+        captured = sglang_captures(ids, arch, version)
+    elif engine == "vllm":
+        captured = [int(i) for i in ids]
+    else:
+        raise CaptureError(f"no drafter config ids for engine {engine!r}; known: sglang, vllm")
+    ours = [j - 1 for j in captured]
+    if any(not 0 <= i < num_layers for i in ours):
+        raise CaptureError(
+            f"{engine} {version} ids {list(ids)} capture the inputs of layers {captured}, which are not "
+            f"outputs of decoder layers 0..{num_layers - 1} of this target"
+        )
+    return ours
 
 
 # ---------------------------------------------------------------- what data_config.json records
 
 
-def sglang_engine_layer_ids(aux: Sequence[int], num_layers: int, arch: Architecture, version: str) -> EngineLayerIds:
+def hf_engine_layer_ids(aux: Sequence[int], num_layers: int) -> EngineLayerIds:
+    # output_hidden_states[0] = embeddings, [i + 1] = output of decoder layer i; [-1] is
+    # replaced by the post-norm state, so the final comes from a hook on the final norm.
+    return EngineLayerIds(
+        "hf", hf_hidden_state_indices(aux, num_layers),
+        "hf_hidden_states_index (0 = embeddings, i + 1 = output of layer i)",
+        "output of model.norm (forward hook)",
+    )  # fmt: skip
+
+
+def sglang_engine_layer_ids(
+    aux: Sequence[int], num_layers: int, arch: Architecture | None = None, version: str | None = None
+) -> EngineLayerIds:
     capture = sglang_layers_to_capture(aux, num_layers)
-    try:
-        draft = sglang_draft_ids(aux, num_layers, arch, version)
-        draft_text = f"; a draft config for SGLang {version} must say eagle_aux_hidden_state_layer_ids={draft}"
-    except CaptureError as e:  # extraction does not need it; the export will refuse with this message
-        draft_text = f"; no draft config for SGLang {version} can express these ids: {e}"
+    where = f", {arch.name}" if arch else ""
+    draft_text = ""
+    if arch is not None and version:
+        try:
+            draft = sglang_draft_ids(aux, num_layers, arch, version)
+            draft_text = f"; a draft config for SGLang {version} must say eagle_aux_hidden_state_layer_ids={draft}"
+        except CaptureError as e:  # extraction does not need it; the export will refuse with this message
+            draft_text = f"; no draft config for SGLang {version} can express these ids: {e}"
     return EngineLayerIds(
         "sglang",
         capture,
-        f"sglang layers_to_capture (j = input of layer j = output of layer j - 1), {arch.name}{draft_text}",
+        f"sglang layers_to_capture (j = input of layer j = output of layer j - 1){where}{draft_text}",
         "output of the final norm (forward hook on the norm module)",
     )
 
 
-def vllm_engine_layer_ids(aux: Sequence[int], num_layers: int, arch: Architecture, version: str) -> EngineLayerIds:
-    ids = vllm_layer_ids(aux, num_layers, arch, version)
+def vllm_engine_layer_ids(
+    aux: Sequence[int], num_layers: int, arch: Architecture | None = None, version: str | None = None
+) -> EngineLayerIds:
+    if arch is not None and version:
+        ids = vllm_layer_ids(aux, num_layers, arch, version)[:-1]
+        where = f", {arch.name}, vllm {version}"
+    else:
+        ids, where = vllm_capture_ids(aux, num_layers), ""
     return EngineLayerIds(
         "vllm",
-        ids[:-1],
-        f"vllm extract_hidden_states id (0 = embeddings, i + 1 = output of layer i), {arch.name}, vllm {version}",
+        ids,
+        f"vllm extract_hidden_states id (0 = embeddings, i + 1 = output of layer i){where}",
         f"id {num_layers} (last layer output, pre-norm) with the target's final RMSNorm applied",
     )
+
+
+def engine_layer_ids(
+    engine: str,
+    aux: Sequence[int],
+    num_layers: int,
+    arch: Architecture | None = None,
+    version: str | None = None,
+) -> EngineLayerIds:
+    """Our aux ids in `engine`'s own numbering, for data_config.json. With `arch` and `version`
+    the record also says what a drafter config needs (SGLang) and checks the release (vLLM)."""
+    if engine == "hf":
+        return hf_engine_layer_ids(aux, num_layers)
+    if engine == "sglang":
+        return sglang_engine_layer_ids(aux, num_layers, arch, version)
+    if engine == "vllm":
+        return vllm_engine_layer_ids(aux, num_layers, arch, version)
+    raise CaptureError(f"unknown capture engine {engine!r}; known: {sorted(ENGINES)}")
