@@ -3,7 +3,10 @@
 # (Snakemake deletes a range folder first) or a re-merge reuses every finished sample.
 
 
-rule preflight:
+# A checkpoint, so that the extract jobs are re-evaluated after it ran: with a plain rule,
+# Snakemake 9.27 never re-checks jobs downstream of a rerun job whose only links to it are
+# ancient() inputs, and a re-merge would leave new ranges unextracted until a second run.
+checkpoint preflight:
     input:
         plan=f"{RESULTS}/merged/storage_plan.json",
     output:
@@ -30,7 +33,7 @@ rule extract:
         # The checkpoint's first output: inside a cluster job, params that read the
         # merge manifest need it declared.
         merged=ancient(f"{RESULTS}/merged/train.jsonl"),
-        preflight=ancient(f"{RESULTS}/hidden_states/preflight.json"),
+        preflight=lambda w: ancient(checkpoints.preflight.get().output[0]),
         target=ancient(target_input()),
     output:
         directory(f"{RESULTS}/hidden_states/{{split}}/rows_{{start}}-{{end}}"),

@@ -76,6 +76,12 @@ def test_kimi_plan_fans_out_to_19_gpu_range_jobs(tmp_path):
     assert len(train_ranges) == 19, proc.stdout[-3000:]
     assert "rows_36000-37312" in proc.stdout
     assert len(jobs["extract"]) == 19 + 1  # plus the one eval range
-    gpu_lines = [line for line in proc.stdout.splitlines() if line.strip().startswith("resources:") and "gpu=8" in line]
-    assert len(gpu_lines) == 20
+    blocks = proc.stdout.split("\nrule ")
+    extract_resources = [
+        line.strip() for block in blocks if block.startswith("extract:") for line in block.splitlines()
+        if line.strip().startswith("resources:")
+    ]
+    assert len(extract_resources) == 20 and all("gpu=8" in line for line in extract_resources)
+    train_block = next(block for block in blocks if block.startswith("train:"))
+    assert "gpu=8" in train_block, "training asks for the example's 8 GPUs"
     assert elapsed < 60, f"planning took {elapsed:.1f} s"

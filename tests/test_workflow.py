@@ -90,13 +90,13 @@ def small_config() -> dict:
 def merged_workflow(tmp_path_factory):
     workdir = copy_workflow(tmp_path_factory.mktemp("merged") / "wf")
     write_config(workdir, small_config())
-    snakemake(workdir, "--configfile", "config/test.yaml", "results/merged/manifest.json")
+    snakemake(workdir, "results/merged/manifest.json", "--configfile=config/test.yaml")
     return workdir
 
 
 def _dry_run_after(workdir: Path, config: dict) -> dict[str, list[str]]:
     write_config(workdir, config, "changed.yaml")
-    proc = snakemake(workdir, "-n", "--configfile", "config/changed.yaml", "results/merged/manifest.json")
+    proc = snakemake(workdir, "-n", "results/merged/manifest.json", "--configfile=config/changed.yaml")
     return planned_jobs(proc.stdout)
 
 
