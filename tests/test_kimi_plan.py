@@ -85,3 +85,24 @@ def test_kimi_plan_fans_out_to_19_gpu_range_jobs(tmp_path):
     train_block = next(block for block in blocks if block.startswith("train:"))
     assert "gpu=8" in train_block, "training asks for the example's 8 GPUs"
     assert elapsed < 60, f"planning took {elapsed:.1f} s"
+
+
+def test_kimi_plan_through_the_slurm_profile(tmp_path):
+    """`snakemake --profile profiles/slurm -n` shows what each sbatch will ask for:
+    8 GPUs per extraction range, 8 GPUs on one node for training."""
+    workdir = copy_workflow(tmp_path / "wf")
+    config = yaml.safe_load((REPO / "config" / "examples" / "kimi-k2.5.yaml").read_text())
+    config["results"] = str(tmp_path / "results")
+    write_config(workdir, config)
+    _fabricate_upstream(tmp_path / "results", load_config(workdir / "config" / "test.yaml"))
+
+    proc = snakemake(workdir, "-n", "--profile", "profiles/slurm", "--configfile", "config/test.yaml")
+    blocks = proc.stdout.split("\nrule ")
+    extract = [block for block in blocks if block.startswith("extract:")]
+    assert len(extract) == 20
+    for block in extract:
+        resources = next(line for line in block.splitlines() if line.strip().startswith("resources:"))
+        assert "gpu=8" in resources, resources
+    train = next(block for block in blocks if block.startswith("train:"))
+    train_resources = next(line for line in train.splitlines() if line.strip().startswith("resources:"))
+    assert "gpu=8" in train_resources and "nodes=" not in train_resources, train_resources
