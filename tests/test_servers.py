@@ -93,7 +93,9 @@ def test_api_key_is_required_and_checks_adapt_to_preflight(target, monkeypatch):
                                            "model": MODEL, "api_key_env": "TEST_SERVERS_KEY"}})  # fmt: skip
         results = [check(None) for check in checks]  # preflight calls check(ctx)
         assert [r.ok for r in results] == [True, False]
-        assert all(not r.authorized for r in s.requests[:1]) and s.requests[-1].authorized
+        # Records are appended by the handler threads, so their order can vary under load.
+        assert sum(not r.authorized for r in s.requests) == 1  # the first check, without a key
+        assert sum(r.authorized for r in s.requests) == len(s.requests) - 1
 
 
 def test_check_endpoint_command_line(server):
