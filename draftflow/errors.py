@@ -13,3 +13,10 @@ def where(path, line: int | None = None, field: str | None = None) -> str:
     if field:
         text += f": field '{field}'"
     return text
+
+
+def reject_unknown_keys(settings, known, label: str) -> None:
+    """Refuse settings keys a stage does not know: a typo must not fall back to a default."""
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise DraftflowError(f"{label}: unknown key(s) {unknown}; expected {sorted(known)}")

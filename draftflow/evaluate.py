@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from draftflow.errors import DraftflowError, where
+from draftflow.errors import DraftflowError, reject_unknown_keys, where
 from draftflow.jsonl import atomic_path, read_jsonl, write_json
 from draftflow.speculative import (
     AcceptanceStats,
@@ -62,9 +62,7 @@ class EvaluateSettings:
     @classmethod
     def from_dict(cls, settings: dict) -> "EvaluateSettings":
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(settings) - known)
-        if unknown:
-            raise DraftflowError(f"evaluate --settings: unknown key(s) {unknown}; expected {sorted(known)}")
+        reject_unknown_keys(settings, known, "evaluate --settings")
         values = dict(settings)
         for key in ("draft_tokens", "aux_layer_ids"):
             if values.get(key) is not None:

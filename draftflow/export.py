@@ -34,7 +34,7 @@ import torch
 
 from draftflow.drafter import ARCHITECTURE, Eagle3Config, Eagle3Drafter
 from draftflow.engines.layer_ids import DraftIds, aux_from_draft_ids, draft_config_ids
-from draftflow.errors import DraftflowError
+from draftflow.errors import DraftflowError, reject_unknown_keys
 from draftflow.jsonl import atomic_path, read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -250,9 +250,7 @@ class ExportSettings:
     @classmethod
     def from_dict(cls, settings: dict) -> "ExportSettings":
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(settings) - known)
-        if unknown:
-            raise DraftflowError(f"export --settings: unknown key(s) {unknown}; expected {sorted(known)}")
+        reject_unknown_keys(settings, known, "export --settings")
         values = dict(settings)
         if values.get("aux_layer_ids") is not None:
             values["aux_layer_ids"] = tuple(int(i) for i in values["aux_layer_ids"])

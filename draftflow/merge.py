@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from draftflow.errors import DraftflowError, where
+from draftflow.errors import DraftflowError, reject_unknown_keys, where
 from draftflow.jsonl import atomic_path, read_jsonl, write_json
 
 log = logging.getLogger(__name__)
@@ -83,9 +83,7 @@ class MergeSettings:
     @classmethod
     def from_dict(cls, settings: Mapping[str, Any]) -> MergeSettings:
         known = {"seed", "max_seq_len", "eval_fraction", "min_eval_samples", "samples_per_range", "datasets"}
-        unknown = sorted(set(settings) - known)
-        if unknown:
-            raise DraftflowError(f"merge settings: unknown key(s) {unknown}; expected {sorted(known)}")
+        reject_unknown_keys(settings, known, "merge settings")
         datasets = {}
         for name, ds in (settings.get("datasets") or {}).items():
             extra = sorted(set(ds) - {"weight", "max_merged"})

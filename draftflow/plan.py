@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from draftflow.config import default_aux_layer_ids
-from draftflow.errors import DraftflowError
+from draftflow.errors import DraftflowError, reject_unknown_keys
 from draftflow.jsonl import read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -144,11 +144,7 @@ class PlanSettings:
 
     @classmethod
     def from_dict(cls, settings: Mapping[str, Any]) -> PlanSettings:
-        unknown = sorted(set(settings) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise DraftflowError(
-                f"plan-storage settings: unknown key(s) {unknown}; expected {sorted(cls.__dataclass_fields__)}"
-            )
+        reject_unknown_keys(settings, cls.__dataclass_fields__, "plan-storage settings")
         result = cls(**settings)
         if result.dtype not in DTYPE_BYTES:
             raise DraftflowError(f"extract.dtype: unknown dtype {result.dtype!r}; use one of {sorted(DTYPE_BYTES)}")

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draftflow.errors import DraftflowError
+from draftflow.errors import DraftflowError, reject_unknown_keys
 from draftflow.jsonl import read_json, write_json
 from draftflow.plan import format_bytes
 
@@ -50,11 +50,7 @@ class PreflightSettings:
 
     @classmethod
     def from_dict(cls, settings: Mapping[str, Any]) -> PreflightSettings:
-        unknown = sorted(set(settings) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise DraftflowError(
-                f"preflight settings: unknown key(s) {unknown}; expected {sorted(cls.__dataclass_fields__)}"
-            )
+        reject_unknown_keys(settings, cls.__dataclass_fields__, "preflight settings")
         result = cls(**settings)
         if result.free_disk_margin < 0:
             raise DraftflowError(f"extract.free_disk_margin must be >= 0 (got {result.free_disk_margin})")

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from draftflow.drafter import Eagle3Config, Eagle3Drafter
-from draftflow.errors import DraftflowError, where
+from draftflow.errors import DraftflowError, reject_unknown_keys, where
 from draftflow.jsonl import atomic_path, fsync_dir, read_json, write_json
 from draftflow.ttt import STAT_ROWS, TargetHead, TTTObjective, step_token_counts, summarize
 from draftflow.vocab import DraftVocab, load_vocab
@@ -85,9 +85,7 @@ class TrainSettings:
     @classmethod
     def from_dict(cls, settings: dict) -> "TrainSettings":
         known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(settings) - set(known))
-        if unknown:
-            raise DraftflowError(f"train --settings: unknown key(s) {unknown}; expected {sorted(known)}")
+        reject_unknown_keys(settings, known, "train --settings")
         if "aux_layer_ids" not in settings:
             raise DraftflowError("train --settings: 'aux_layer_ids' is required (the extracted aux layers, in order)")
         values = dict(settings, aux_layer_ids=tuple(int(i) for i in settings["aux_layer_ids"]))
