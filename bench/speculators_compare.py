@@ -283,6 +283,24 @@ def speculators_argv(a, spec_dir: Path, target_dir: Path, save_dir: Path, shape:
     return argv
 
 
+def unshare_fused_loss_autotuner() -> None:
+    """Give speculators' fused loss backward kernel its own autotuner config list.
+
+    speculators 0.9 decorates its forward and backward loss kernels with one
+    `triton.autotune(...)` object, so both Autotuners hold the same `configs` list. Under
+    torch 2.11's dynamo the compiled step then fails ("ListVariable ... is already tracked
+    for mutation"). A fresh autotuner with equal configs, key and pruning changes nothing else.
+    """
+    import triton
+    from speculators.losses import fused
+
+    fused.loss_backward_kernel = triton.autotune(
+        configs=fused._tile_configs(),
+        key=["n_cols", "OP"],
+        prune_configs_by={"early_config_prune": fused._prune_oversized_tiles},
+    )(fused.loss_backward_kernel.fn)
+
+
 def run_speculators(a, spec_dir: Path, target_dir: Path, work: Path, shape: dict) -> dict:
     import torch
 
@@ -304,6 +322,9 @@ def run_speculators(a, spec_dir: Path, target_dir: Path, work: Path, shape: dict
         spec_dist._local_rank = torch.device("cpu")
         reset = spec_trainer._StepTimer.reset
         spec_trainer._StepTimer.reset = lambda self, enabled: reset(self, False)
+
+    if cuda and a.loss_implementation in (None, "fused"):
+        unshare_fused_loss_autotuner()
 
     steps = a.warmup + a.steps
     save_dir = work / "speculators_run"

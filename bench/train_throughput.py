@@ -43,7 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from draftflow.drafter import Eagle3Config, Eagle3Drafter  # noqa: E402
 from draftflow.storage import HiddenStateReader, SampleStore, encode_sample, sample_key, write_range_index  # noqa: E402
-from draftflow.train import DistEnv, TrainSettings, make_loader, make_optimizer, plan_batches, train_step  # noqa: E402
+from draftflow.train import (  # noqa: E402
+    DistEnv, TrainSettings, make_loader, make_optimizer, plan_batches, train_step, use_compile,
+)  # fmt: skip
 from draftflow.ttt import TargetHead, TTTObjective  # noqa: E402
 
 LLAMA_31_8B = {
@@ -68,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--draft-vocab", type=int, help="default 32000; tiny 256")
     p.add_argument("--workers", type=int, default=8, help="DataLoader worker processes")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="train.compile (auto: on CUDA)")
     p.add_argument("--data-dir", type=Path, help="where to write the store (default: a temp folder)")
     p.add_argument("--peak-tflops", type=float, help="bf16 dense peak for MFU (default: by device name)")
     p.add_argument("--profile", action="store_true", help="also print the top kernels of 2 steps to stderr")
@@ -147,7 +150,8 @@ def main(argv=None) -> None:
         drafter.set_vocab(torch.nonzero(t2d)[:, 0] - torch.arange(a.draft_vocab), t2d)
         head = TargetHead(torch.randn(V, H, dtype=dtype) * 0.02, t2d).to(device)
         drafter.to(device)
-        objective = TTTObjective(drafter, a.ttt_steps, 0.8)
+        compiled = use_compile({"on": True, "off": False}.get(a.compile, "auto"), device)
+        objective = TTTObjective(drafter, a.ttt_steps, 0.8, compile=compiled)
         s = TrainSettings(
             aux_layer_ids=(1, 15, 28), ttt_steps=a.ttt_steps, batch_tokens=a.batch_tokens, num_workers=a.workers
         )
@@ -218,7 +222,8 @@ def main(argv=None) -> None:
         "torch": torch.__version__,
         "shape": "tiny" if a.tiny else "llama-3.1-8b",
         "hidden_size": H, "draft_vocab": a.draft_vocab, "target_vocab": V, "ttt_steps": a.ttt_steps,
-        "seq_len": a.seq_len, "batch_tokens": a.batch_tokens, "workers": a.workers, "steps": a.steps,
+        "seq_len": a.seq_len, "batch_tokens": a.batch_tokens, "workers": a.workers,
+        "compile": compiled, "steps": a.steps,
         "tokens_per_s": round(tokens_per_s, 1),
         "tokens_per_s_compute_only": round(resident_tokens / compute_s, 1),
         "step_s": round(e2e_s, 4),

@@ -450,6 +450,14 @@ class Eagle3Drafter(nn.Module):
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
 
+    def compile_pointwise(self) -> None:
+        """Compile the norms and MLPs in place (torch.compile, dynamic shapes): inductor fuses
+        their elementwise chains (fp32 norm math, SiLU x up) that eager runs as separate passes
+        over [tokens, H] and [tokens, intermediate] tensors. Parameter names are unchanged."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, MLP)):
+                m.compile(dynamic=True)
+
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         self.d2t.copy_(torch.as_tensor(d2t))
         self.t2d.copy_(torch.as_tensor(t2d))

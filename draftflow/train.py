@@ -49,7 +49,7 @@ from draftflow.vocab import DraftVocab, load_vocab
 log = logging.getLogger(__name__)
 
 # Settings that change how a run reports, not what it computes: left out of the fingerprint.
-OPERATIONAL = {"num_workers", "log_every_steps", "save_every_steps", "eval_every_steps"}
+OPERATIONAL = {"num_workers", "log_every_steps", "save_every_steps", "eval_every_steps", "compile"}
 
 
 # ---------------------------------------------------------------- settings
@@ -80,6 +80,7 @@ class TrainSettings:
     save_every_steps: int = 200
     log_every_steps: int = 10
     fsdp: bool = False
+    compile: bool | str = "auto"  # torch.compile norms, MLPs and the loss: "auto" = on CUDA only
     grad_accum: int = 1  # micro-batches per rank per optimizer step
 
     @classmethod
@@ -95,6 +96,8 @@ class TrainSettings:
                 f"train --settings: 'aux_layer_ids' {list(s.aux_layer_ids)} must be strictly increasing: "
                 "serving engines concatenate captured layers in layer order"
             )
+        if s.compile not in ("auto", True, False):
+            raise DraftflowError(f"train --settings: 'compile' must be auto, true or false, got {s.compile!r}")
         if s.schedule not in ("cosine", "linear", "constant"):
             raise DraftflowError(f"train --settings: 'schedule' must be cosine, linear or constant, got {s.schedule!r}")
         for name in ("ttt_steps", "batch_tokens", "grad_accum", "num_hidden_layers", "log_every_steps"):
@@ -554,6 +557,18 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def use_compile(setting: bool | str, device: torch.device) -> bool:
+    """Whether to torch.compile the drafter's pointwise parts and loss. `auto` compiles on CUDA
+    and falls back to eager code (with a logged warning) where compilation fails."""
+    if setting is False or (setting == "auto" and device.type != "cuda"):
+        return False
+    if setting == "auto":
+        import torch._dynamo
+
+        torch._dynamo.config.suppress_errors = True
+    return True
+
+
 def run_fingerprint(s: TrainSettings, world_size: int, train_ranges, eval_ranges, target_dir, vocab_path) -> str:
     """What determines the training trajectory: a resume is only valid under the same fingerprint."""
     from draftflow.target import target_identity
@@ -756,7 +771,7 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
 
     drafter.to(env.device)
     target_head.to(env.device, dtype=torch.bfloat16 if cuda else torch.float32)
-    objective = TTTObjective(drafter, s.ttt_steps, s.step_weight_decay)
+    objective = TTTObjective(drafter, s.ttt_steps, s.step_weight_decay, compile=use_compile(s.compile, env.device))
     model = wrap_parallel(objective, env, s.fsdp and env.world_size > 1)
     optimizer, scheduler = make_optimizer(drafter, s, total_steps, fused=cuda)
     fsdp = s.fsdp and env.world_size > 1

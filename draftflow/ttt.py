@@ -116,17 +116,40 @@ def _logits_fp32(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return rows.float() @ weight.float().T
 
 
-class TTTObjective(nn.Module):
-    """The training forward as one module call (what DDP/FSDP wrap): TTT loss and statistics."""
+def step_terms(
+    logits: torch.Tensor, probs: torch.Tensor, target: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One TTT step's loss sum and hits.
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float):
+    logits [B, R, Vd] (drafter), probs [B, R, Vd] (target), target [B, R] draft ids (-1: not in
+    the draft vocab), weight [B, R] bool -> (Σ soft CE over weighted in-vocab rows (scalar),
+    hit [B, R] bool: drafter argmax == target argmax on a weighted row).
+    """
+    ce = SoftCrossEntropy.apply(logits, probs)  # [B, R]
+    loss_sum = torch.where(weight & (target >= 0), ce, 0.0).sum()
+    hit = (logits.detach().argmax(-1) == target) & weight
+    return loss_sum, hit
+
+
+class TTTObjective(nn.Module):
+    """The training forward as one module call (what DDP/FSDP wrap): TTT loss and statistics.
+
+    compile: torch.compile the drafter's norms and MLPs and the per-step loss (`step_terms`),
+    which fuses the elementwise passes eager mode makes over [tokens, Vd] logits each step.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, compile: bool = False):
         super().__init__()
         self.drafter, self.steps, self.decay = drafter, steps, decay
+        self.step_terms = step_terms
+        if compile:
+            drafter.compile_pointwise()
+            self.step_terms = torch.compile(step_terms, dynamic=True)
 
     def forward(self, input_ids, loss_mask, aux, target_probs, target_argmax, normalizer=None):
         result = ttt_loss(
             self.drafter, input_ids, loss_mask, aux, TargetInfo(target_probs, target_argmax),
-            self.steps, self.decay, normalizer,
+            self.steps, self.decay, normalizer, self.step_terms,
         )  # fmt: skip
         return result.loss, result.stats
 
@@ -152,12 +175,13 @@ def ttt_loss(
     steps: int,
     decay: float = 0.8,
     normalizer: torch.Tensor | None = None,
+    terms=step_terms,
 ) -> TTTResult:
     """Unroll `steps` TTT steps and return the loss and per-step statistics.
 
     input_ids, loss_mask [B, T]; aux [B, T, n_aux*H]; target from `TargetHead`.
     normalizer [steps]: loss tokens per step to divide by (pass the global count under
-    data parallelism); default: this batch's own counts.
+    data parallelism); default: this batch's own counts. terms: `step_terms` or a compiled copy.
     """
     B, T = input_ids.shape
     mask = loss_mask.bool()
@@ -176,11 +200,9 @@ def ttt_loss(
         p = target.probs[:, 1 + k :]  # [B, R, Vd]
         tgt = target.argmax[:, 1 + k :]  # [B, R]
         w = F.pad(mask[:, 2 + k :], (0, 1))  # [B, R]: m_{j+2+k}
-        ce = SoftCrossEntropy.apply(lg, p)  # [B, R]
-        loss_sum = torch.where(w & (tgt >= 0), ce, 0.0).sum()
+        loss_sum, hit = terms(lg, p, tgt, w)
         loss = loss + decay**k * loss_sum / normalizer[k]
         with torch.no_grad():
-            hit = (lg.argmax(-1) == tgt) & w
             trials = chain_ok[:, :R] & w
             chain_ok = F.pad(chain_ok[:, :R] & hit, (0, T - R))
             stats.append(torch.stack([loss_sum.detach(), w.sum(), hit.sum(), chain_ok.sum(), trials.sum()]).double())

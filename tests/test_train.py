@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from draftflow.errors import DraftflowError
 from draftflow.storage import SampleStore, encode_sample, sample_key, write_range_index
 from draftflow.train import (
     DistEnv,
@@ -29,6 +31,7 @@ from draftflow.train import (
     save_drafter,
     shard_eval_batches,
     train_step,
+    use_compile,
 )
 from draftflow.ttt import TTTObjective, ttt_loss
 from draftflow.vocab import save_vocab, select_draft_vocab
@@ -135,6 +138,41 @@ def test_overfitting_one_batch_drives_the_loss_down(world):
     # step 0 gets (nearly) every position right whose target token is in the draft vocabulary
     reachable = ((target.argmax[:, 1:-1] >= 0) & batch.loss_mask[:, 2:]).sum().item()
     assert final.stats[2][0].item() >= 0.9 * reachable > 0
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="torch.compile on CPU needs a C compiler")
+def test_compiled_training_steps_match_eager_ones(world):
+    """train.compile: the compiled norms, MLPs and per-step loss give the eager losses and
+    statistics over several steps, on batches of two different lengths (dynamic shapes)."""
+    from draftflow.storage import HiddenStateReader
+    from draftflow.vocab import load_vocab
+
+    s = TrainSettings.from_dict(settings(learning_rate=1e-2, warmup_ratio=0.0, schedule="constant", compile=True))
+    reader = HiddenStateReader(world["train"])
+    by_length = sorted(range(len(reader)), key=lambda i: reader.lengths[i])
+    batches = [collate([reader[i] for i in part], s.ttt_steps) for part in (by_length[:3], by_length[-3:])]
+    assert batches[0].input_ids.shape[1] != batches[1].input_ids.shape[1]
+    curves = []
+    for compiled in (False, True):
+        drafter, head, _ = build_drafter(s, world["target"], load_vocab(world["vocab"]))
+        use = use_compile(compiled, torch.device("cpu"))
+        model = TTTObjective(drafter, s.ttt_steps, s.step_weight_decay, compile=use)
+        opt, sched = make_optimizer(drafter, s, total_steps=4, fused=False)
+        curve = []
+        for step in range(4):
+            stats, _ = train_step(model, head, [batches[step % 2]], opt, sched, DistEnv(), s.grad_clip)
+            curve.append(stats)
+        curves.append(torch.stack(curve))
+    eager, compiled = curves
+    assert torch.equal(eager[:, 1:], compiled[:, 1:])  # token, hit, chain and trial counts
+    torch.testing.assert_close(compiled[:, 0], eager[:, 0], rtol=1e-4, atol=1e-5)  # loss sums
+
+
+def test_compile_setting_is_validated():
+    assert TrainSettings.from_dict(settings()).compile == "auto"
+    assert not use_compile("auto", torch.device("cpu"))
+    with pytest.raises(DraftflowError, match="'compile' must be auto, true or false"):
+        TrainSettings.from_dict(settings(compile="sometimes"))
 
 
 def test_save_and_load_drafter_round_trip(world, tmp_path):
