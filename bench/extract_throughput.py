@@ -4,7 +4,7 @@ Builds a Llama-3.1-8B-shaped model with random bf16 weights directly on the devi
 download), then measures in one run, on the same model and batch shape:
 
   (a) forward-only throughput (tokens/s) of the model body,
-  (b) end-to-end extraction throughput through draftflow.extract.extract_range: capture,
+  (b) end-to-end extraction throughput through draftflow.hidden_states.extract.extract_range: capture,
       checks, device->host copies, byte-plane zstd encoding, fsync'd files in a store on
       local disk,
   (c) bytes on disk / raw hidden-state bytes (bf16).
@@ -37,8 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 from draftflow.engines.hf_capture import HfCaptureEngine  # noqa: E402
-from draftflow.extract import ExtractOptions, Record, extract_range  # noqa: E402
-from draftflow.storage import SampleStore, decode_sample  # noqa: E402
+from draftflow.hidden_states.extract import ExtractOptions, Record, extract_range  # noqa: E402
+from draftflow.hidden_states.storage import SampleStore, decode_sample  # noqa: E402
 
 LLAMA_31_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

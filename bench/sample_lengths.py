@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from draftflow.jsonl import write_json
-from draftflow.storage import IndexEntry, find_range_dirs, sample_lengths, write_range_index
+from draftflow.hidden_states.storage import IndexEntry, find_range_dirs, sample_lengths, write_range_index
 
 SAMPLES, RANGE_SIZE, TOTAL_TOKENS, MAX_SEQ_LEN = 37_312, 2000, 87_793_206, 8192
 HIDDEN, LAYERS = 7168, 4  # Kimi-K2.5: what the raw sizes in the index describe

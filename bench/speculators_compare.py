@@ -7,8 +7,8 @@ intermediate 14336, llama3 RoPE, target vocab 128256, draft vocab 32000), the sa
 same TTT steps (7) and the same tokens per optimizer step, trained by speculators itself:
 
 * data: samples fabricated by `bench/train_throughput.py`'s own `fabricate` (same seeds, so the
-  same bits: random bf16 hidden [T, 4, H], zstd byte planes through `draftflow.storage`), or any
-  draftflow hidden-states folder (`--data`), exported with `draftflow.interop` (what `draftflow
+  same bits: random bf16 hidden [T, 4, H], zstd byte planes through `draftflow.hidden_states.storage`), or any
+  draftflow hidden-states folder (`--data`), exported with `draftflow.hidden_states.interop` (what `draftflow
   convert --from draftflow --to speculators` runs) into speculators' on-disk format: a
   `datasets.save_to_disk` folder (`input_ids`, `loss_mask`, `seq_len`) plus
   `hidden_states/hs_{i}.safetensors` (`token_ids` [T] int64, `hidden_states` [T, 4, H] bf16),
@@ -120,7 +120,7 @@ def fabricate_vocab(vocab_path: Path, shape: dict, seed: int) -> None:
     """A draft vocabulary (draftflow's safetensors format) from Zipf-like token counts."""
     import numpy as np
 
-    from draftflow.vocab import save_vocab, select_draft_vocab
+    from draftflow.drafters.vocab import save_vocab, select_draft_vocab
 
     if vocab_path.is_file():
         return
@@ -139,7 +139,7 @@ def _ours_fabricate():
 
 def fabricate_samples(data_dir: Path, n: int, shape: dict) -> str:
     """n samples of seq_len tokens in data_dir (store + rows_0/index.json), made by ours' recipe."""
-    from draftflow.storage import find_range_dirs
+    from draftflow.hidden_states.storage import find_range_dirs
 
     if find_range_dirs(data_dir):
         return "existing"
@@ -149,12 +149,12 @@ def fabricate_samples(data_dir: Path, n: int, shape: dict) -> str:
 
 
 def export_speculators(data_dir: Path, vocab_path: Path, spec_dir: Path, workers: int) -> int:
-    """draftflow -> speculators with draftflow.interop (as `draftflow convert` does), and the vocab as .npy."""
+    """draftflow -> speculators with draftflow.hidden_states.interop (as `draftflow convert` does), and the vocab as .npy."""
     import numpy as np
 
-    from draftflow.interop import SIDECAR, ConvertOptions, convert
-    from draftflow.storage import find_range_dirs, sample_lengths
-    from draftflow.vocab import load_vocab
+    from draftflow.hidden_states.interop import SIDECAR, ConvertOptions, convert
+    from draftflow.hidden_states.storage import find_range_dirs, sample_lengths
+    from draftflow.drafters.vocab import load_vocab
 
     n = sample_lengths(find_range_dirs(data_dir))["total_samples"]
     sidecar = spec_dir / SIDECAR

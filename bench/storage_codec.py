@@ -1,4 +1,4 @@
-"""Benchmark: compression ratio and speed of the hidden-state codec (draftflow.storage).
+"""Benchmark: compression ratio and speed of the hidden-state codec (draftflow.hidden_states.storage).
 
 Activations come from a randomly initialized HF LlamaForCausalLM in bf16 (no
 downloads): aux layers [1, N//2-1, N-4] + the post-norm final state, i.e. the
@@ -35,8 +35,8 @@ import numpy as np
 import torch
 import zstandard
 
-from draftflow import storage
-from draftflow.storage import CHECKSUM_ALGORITHM, SampleStore, byte_planes, decode_sample, encode_sample
+from draftflow.hidden_states import storage
+from draftflow.hidden_states.storage import CHECKSUM_ALGORITHM, SampleStore, byte_planes, decode_sample, encode_sample
 
 # The writer's encoder: the list of buffers that `SampleStore.put` writes with os.writev; older
 # draftflow (before it existed) joined everything into one bytes object.

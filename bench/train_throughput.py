@@ -2,7 +2,7 @@
 
 An EAGLE-3 drafter for a Llama-3.1-8B-shaped target (H 4096, 32 heads, 8 KV heads,
 intermediate 14336, target vocab 128256, draft vocab 32000, llama3 RoPE) trained with the real
-training step (draftflow.train.train_step: target LM head, 7-step TTT, AdamW, bf16 autocast) on
+training step (draftflow.drafters.train.train_step: target LM head, 7-step TTT, AdamW, bf16 autocast) on
 2048-token samples of random bf16 hidden states, written through the storage API into a
 temporary store and read back compressed from disk by DataLoader workers.
 
@@ -41,12 +41,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from draftflow.drafter import Eagle3Config, Eagle3Drafter  # noqa: E402
-from draftflow.storage import HiddenStateReader, SampleStore, encode_sample, sample_key, write_range_index  # noqa: E402
-from draftflow.train import (  # noqa: E402
+from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
+from draftflow.hidden_states.storage import HiddenStateReader, SampleStore, encode_sample, sample_key, write_range_index  # noqa: E402
+from draftflow.drafters.train import (  # noqa: E402
     DistEnv, TrainSettings, make_loader, make_optimizer, plan_batches, train_step, use_compile,
 )  # fmt: skip
-from draftflow.ttt import TargetHead, TTTObjective  # noqa: E402
+from draftflow.drafters.ttt import TargetHead, TTTObjective  # noqa: E402
 
 LLAMA_31_8B = {
     "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,

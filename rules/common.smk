@@ -195,7 +195,7 @@ def num_target_layers():
     if config["target"]["model"] == BUILTIN_TARGET:
         return config["target"]["builtin"]["num_hidden_layers"]
     if (Path(target_dir()) / "config.json").exists():
-        from draftflow.plan import resolve_model_dims
+        from draftflow.hidden_states.plan import resolve_model_dims
 
         return resolve_model_dims(Path(target_dir()), config["target"])[0]
     return None
@@ -230,7 +230,7 @@ def final_outputs() -> list:
 
 def resolved_aux_layer_ids():
     """Config aux ids (checked against the target's depth when known), or the default."""
-    from draftflow.plan import resolve_aux_layer_ids
+    from draftflow.hidden_states.plan import resolve_aux_layer_ids
 
     num_layers = num_target_layers()
     if num_layers is None:

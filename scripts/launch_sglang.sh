@@ -19,7 +19,7 @@
 #   --dry-run           print the command instead of running it
 # Environment: PYTHON (python3), CUDA_VISIBLE_DEVICES (the GPUs checked and used).
 #
-# Before starting, `python -m draftflow.servers check-gpus` must pass: a stray server
+# Before starting, `python -m draftflow.engines.servers check-gpus` must pass: a stray server
 # holding the GPUs is refused here, not discovered after the model failed to load.
 set -euo pipefail
 
@@ -48,7 +48,7 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
-"$PYTHON" -m draftflow.servers check-gpus >&2 || { echo "launch_sglang.sh: refusing to start: GPUs are held by other processes" >&2; exit 1; }
+"$PYTHON" -m draftflow.engines.servers check-gpus >&2 || { echo "launch_sglang.sh: refusing to start: GPUs are held by other processes" >&2; exit 1; }
 
 CMD=("$PYTHON" -m sglang.launch_server --model-path "$MODEL" --served-model-name "$NAME"
      --host "$HOST" --port "$PORT" --tp-size "$TP")

@@ -23,7 +23,7 @@
 #   --dry-run           print the command instead of running it
 # Environment: PYTHON (python3), CUDA_VISIBLE_DEVICES (the GPUs checked and used).
 #
-# Before starting, `python -m draftflow.servers check-gpus` must pass.
+# Before starting, `python -m draftflow.engines.servers check-gpus` must pass.
 set -euo pipefail
 
 usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
@@ -53,7 +53,7 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
-"$PYTHON" -m draftflow.servers check-gpus >&2 || { echo "launch_vllm.sh: refusing to start: GPUs are held by other processes" >&2; exit 1; }
+"$PYTHON" -m draftflow.engines.servers check-gpus >&2 || { echo "launch_vllm.sh: refusing to start: GPUs are held by other processes" >&2; exit 1; }
 
 CMD=("$PYTHON" -m vllm.entrypoints.cli.main serve "$MODEL" --served-model-name "$NAME"
      --host "$HOST" --port "$PORT" --tensor-parallel-size "$TP")

@@ -23,7 +23,7 @@ import os
 import sys
 from pathlib import Path
 
-from draftflow.servers import FaultPlan, OpenAITestServer, TargetChatBackend, ensure_tiny_target
+from draftflow.engines.servers import FaultPlan, OpenAITestServer, TargetChatBackend, ensure_tiny_target
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftflow.drafter import Eagle3Config, Eagle3Drafter, rope_inv_freq
-from draftflow.ttt import (
+from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter, rope_inv_freq
+from draftflow.drafters.ttt import (
     STAT_ROWS,
     SoftCrossEntropy,
     TargetHead,

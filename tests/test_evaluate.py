@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from draftflow.cli import main as cli_main
-from draftflow.evaluate import SimulatedAcceptance, chain_lengths, simulate
-from draftflow.speculative import AcceptanceStats, Eagle3Proposer, Target, greedy_decode, speculative_decode
-from draftflow.ttt import TargetHead, summarize, ttt_loss
+from draftflow.evaluation.evaluate import SimulatedAcceptance, chain_lengths, simulate
+from draftflow.evaluation.speculative import AcceptanceStats, Eagle3Proposer, Target, greedy_decode, speculative_decode
+from draftflow.drafters.ttt import TargetHead, summarize, ttt_loss
 from test_speculative import AUX, one_thread, random_prompts, tiny_drafter, tiny_target  # noqa: F401 (fixture)
 
 NEW = 40  # generated tokens per prompt
@@ -93,13 +93,13 @@ def test_simulated_chains_replay_real_decoding_exactly(trained):
 
 
 def test_simulated_acceptance_is_what_training_reports(trained):
-    """`simulate` counts chains as draftflow.ttt does: same α per step on the same samples."""
+    """`simulate` counts chains as draftflow.drafters.ttt does: same α per step on the same samples."""
     model, drafter, target, head, prompts, references, samples = trained
 
     class Reader(list):  # the HiddenStateReader interface simulate() uses: len and samples
         pass
 
-    from draftflow.storage import Sample
+    from draftflow.hidden_states.storage import Sample
 
     reader = Reader(Sample(ids.numpy(), mask.numpy().astype(np.uint8), h) for ids, mask, h in samples)
     sim = simulate(drafter, head, reader, K)
@@ -139,7 +139,7 @@ def test_simulated_and_real_acceptance_length_agree(trained):
 def write_eval_split(tmp_path, model, records: list[tuple[list[int], list[int]]]):
     """eval.jsonl plus one extracted range folder holding the records' hidden states."""
     from draftflow.jsonl import write_jsonl
-    from draftflow.storage import SampleStore, encode_sample, sample_key, write_range_index
+    from draftflow.hidden_states.storage import SampleStore, encode_sample, sample_key, write_range_index
 
     rows = [
         {"id": f"s{i}", "dataset": "d", "input_ids": ids, "loss_mask": mask} for i, (ids, mask) in enumerate(records)
@@ -163,7 +163,7 @@ def stage_inputs(tmp_path_factory):
     """A saved tiny target with a Llama-3-style tokenizer, a saved drafter, an eval split."""
     from helpers_tokenizers import build_fast_tokenizer
 
-    from draftflow.train import save_drafter
+    from draftflow.drafters.train import save_drafter
 
     tmp = tmp_path_factory.mktemp("evaluate")
     tokenizer = build_fast_tokenizer("llama3")

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from draftflow.cli import main as cli_main
 from draftflow.errors import DraftflowError
-from draftflow.export import engine_aux_ids, our_aux_ids
-from draftflow.train import load_drafter, save_drafter
+from draftflow.engines.export import engine_aux_ids, our_aux_ids
+from draftflow.drafters.train import load_drafter, save_drafter
 from test_speculative import tiny_drafter, tiny_target
 
 AUX = [1, 2, 4]  # of a 6-layer target: below the last layer, whose output engines cannot capture
@@ -46,7 +46,7 @@ def export(tmp, out: str, **settings) -> dict:
 
 def some_logits(drafter, seed: int = 0) -> torch.Tensor:
     """Logits of a prefill over random tokens and fused aux states, then two drafted steps."""
-    from draftflow.drafter import KVCache
+    from draftflow.drafters.eagle3 import KVCache
 
     g = torch.Generator().manual_seed(seed)
     H, dtype = drafter.config.hidden_size, drafter.fc.weight.dtype
@@ -243,7 +243,7 @@ def test_vllm_export_is_the_speculators_format_vllm_reads(saved):
 
 def test_vllm_export_refuses_multi_layer_drafters(saved, tmp_path):
     model = tiny_target(vocab=V, layers=LAYERS, dtype=torch.float32)
-    from draftflow.drafter import Eagle3Config, Eagle3Drafter
+    from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
     cfg = Eagle3Config.from_target(model.config.to_dict(), draft_vocab_size=V, aux_layer_ids=AUX, num_hidden_layers=2)
     save_drafter(Eagle3Drafter(cfg), tmp_path / "d2", dtype=torch.float32)
@@ -356,7 +356,7 @@ def test_export_refuses_a_release_the_table_cannot_place_before_writing(saved, t
 def test_the_default_export_targets_the_schema_default_releases():
     import yaml
 
-    from draftflow.export import ExportSettings
+    from draftflow.engines.export import ExportSettings
 
     schema = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "config/schema/config.schema.yaml")))
     export_props = schema["properties"]["export"]["properties"]

@@ -19,9 +19,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draftflow import cli
 from draftflow.engines.capture import make_capture_engine, plan_batches
 from draftflow.errors import DraftflowError
-from draftflow.extract import ExtractOptions, extract_range, read_records, run_extract
+from draftflow.hidden_states.extract import ExtractOptions, extract_range, read_records, run_extract
 from draftflow.gpu import FAKE_GPU_COUNT_ENV
-from draftflow.storage import SampleStore, decode_sample, read_range_index
+from draftflow.hidden_states.storage import SampleStore, decode_sample, read_range_index
 
 AUX = [0, 2, 3]
 

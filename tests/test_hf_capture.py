@@ -19,8 +19,8 @@ from draftflow.engines.capture import (
     make_capture_engine,
     plan_batches,
 )
-from draftflow.extract import Record, extract_range, write_range
-from draftflow.storage import SampleStore, decode_sample, read_range_index
+from draftflow.hidden_states.extract import Record, extract_range, write_range
+from draftflow.hidden_states.storage import SampleStore, decode_sample, read_range_index
 
 NUM_LAYERS = 6
 AUX = [1, 2, 4]

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from draftflow import cli
 from draftflow.errors import DraftflowError
-from draftflow.interop import ConvertOptions, FinalNorm, convert
-from draftflow.storage import HiddenStateReader, find_range_dirs, read_range_index
+from draftflow.hidden_states.interop import ConvertOptions, FinalNorm, convert
+from draftflow.hidden_states.storage import HiddenStateReader, find_range_dirs, read_range_index
 from test_storage import bits, build_ranges, make_sample
 
 

@@ -1,4 +1,4 @@
-"""draftflow.launch: the torchrun / srun command for 1 process, one node, several nodes;
+"""draftflow.drafters.launch: the torchrun / srun command for 1 process, one node, several nodes;
 and a real 2-process gloo run through the launcher."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from draftflow.launch import LaunchError, first_host, launch_command, torchrun_command
+from draftflow.drafters.launch import LaunchError, first_host, launch_command, torchrun_command
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TRAIN = ["-m", "draftflow.cli", "train", "--settings", "{}"]

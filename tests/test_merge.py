@@ -12,7 +12,7 @@ import pytest
 from draftflow import cli
 from draftflow.errors import DraftflowError
 from draftflow.jsonl import read_json, read_jsonl, write_jsonl
-from draftflow.merge import MergeSettings, base_id, merge, range_digest
+from draftflow.data.merge import MergeSettings, base_id, merge, range_digest
 
 
 def record(dataset: str, i: int, length: int, loss_from: int | None = None, loss_to: int | None = None) -> dict:

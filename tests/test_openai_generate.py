@@ -1,6 +1,6 @@
 """The OpenAI-compatible generation engine against a real local server backed by a tiny target.
 
-The server (draftflow.servers.OpenAITestServer) runs draftflow's HF generation engine with
+The server (draftflow.engines.servers.OpenAITestServer) runs draftflow's HF generation engine with
 batch size 1 and injects faults: 429 with Retry-After, 500, a delay past the client timeout,
 and a connection dropped mid-body. Regeneration through the real `draftflow regenerate` CLI
 must survive them and a SIGKILL, and write exactly what the in-process HF engine writes.
@@ -34,8 +34,8 @@ from draftflow.engines.openai_generate import (
 )
 from draftflow.errors import DraftflowError
 from draftflow.jsonl import read_jsonl, write_jsonl
-from draftflow.regenerate import regenerate_shard
-from draftflow.servers import FaultPlan, OpenAITestServer, TargetChatBackend, ensure_tiny_target
+from draftflow.data.regenerate import regenerate_shard
+from draftflow.engines.servers import FaultPlan, OpenAITestServer, TargetChatBackend, ensure_tiny_target
 
 MODEL = "draftflow-tiny"
 MAX_NEW = 12

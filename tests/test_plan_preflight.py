@@ -13,7 +13,7 @@ import pytest
 from draftflow import cli
 from draftflow.errors import DraftflowError
 from draftflow.jsonl import read_json, write_json
-from draftflow.plan import (
+from draftflow.hidden_states.plan import (
     PlanSettings,
     format_bytes,
     plan_storage,
@@ -21,7 +21,7 @@ from draftflow.plan import (
     resolve_model_dims,
     storage_bytes,
 )
-from draftflow.preflight import (
+from draftflow.hidden_states.preflight import (
     CheckResult,
     PreflightContext,
     PreflightSettings,

@@ -19,7 +19,7 @@ import zstandard
 from draftflow import cli
 from draftflow.errors import DraftflowError
 from draftflow.jsonl import read_jsonl
-from draftflow.prepare import PrepareSettings, prepare_shard
+from draftflow.data.prepare import PrepareSettings, prepare_shard
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = REPO / "data" / "samples"

@@ -17,7 +17,7 @@ import torch
 from draftflow.engines.generation import GenerationRequest, make_generation_engine
 from draftflow.errors import DraftflowError
 from draftflow.jsonl import read_jsonl, write_jsonl
-from draftflow.regenerate import partial_path, regenerate_shard, run_fingerprint, target_fingerprint
+from draftflow.data.regenerate import partial_path, regenerate_shard, run_fingerprint, target_fingerprint
 from draftflow.target import BuiltinSettings, build_target, load_target
 
 TARGET = dict(

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from draftflow.engines.generation import GenerationRequest
-from draftflow.servers import (
+from draftflow.engines.servers import (
     FaultPlan,
     OpenAITestServer,
     TargetChatBackend,
@@ -100,7 +100,7 @@ def test_api_key_is_required_and_checks_adapt_to_preflight(target, monkeypatch):
 
 def test_check_endpoint_command_line(server):
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "draftflow.servers", *args], capture_output=True, text=True, timeout=60)
+        return subprocess.run([sys.executable, "-m", "draftflow.engines.servers", *args], capture_output=True, text=True, timeout=60)
 
     assert run("check-endpoint", "--url", server.base_url, "--model", MODEL).returncode == 0
     bad = run("check-endpoint", "--url", server.base_url, "--model", "other")

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftflow.drafter import Eagle3Config, Eagle3Drafter
-from draftflow.speculative import (
+from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from draftflow.evaluation.speculative import (
     AcceptanceStats,
     DecodeResult,
     Eagle3Proposer,

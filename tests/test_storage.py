@@ -17,9 +17,9 @@ import pytest
 import torch
 import zstandard
 
-from draftflow import storage
+from draftflow.hidden_states import storage
 from draftflow.errors import DraftflowError
-from draftflow.storage import (
+from draftflow.hidden_states.storage import (
     HiddenStateReader,
     SampleStore,
     byte_planes,
@@ -312,7 +312,7 @@ def test_leftover_temp_file_is_not_a_sample_and_is_cleaned_up(tmp_path):
 
 WRITER = textwrap.dedent("""
     import sys, numpy as np, torch
-    from draftflow.storage import SampleStore, encode_sample, encode_sample_parts, sample_key
+    from draftflow.hidden_states.storage import SampleStore, encode_sample, encode_sample_parts, sample_key
     store = SampleStore(sys.argv[1])
     i = 0
     while True:

@@ -19,7 +19,7 @@ import pytest
 from draftflow import cli
 from draftflow.errors import DraftflowError
 from draftflow.jsonl import read_jsonl, write_jsonl
-from draftflow.tokenization import (
+from draftflow.data.tokenization import (
     ChatTemplateError,
     TokenizeSettings,
     mask_by_segments,
@@ -442,7 +442,7 @@ def test_cli_writes_token_records_and_drops_samples_without_answer(tmp_path, fas
     fast_tokenizers["chatml"].save_pretrained(tokenizer_dir)
     write_jsonl(tmp_path / "in.jsonl.zst", conversation_records())
     out = tmp_path / "out" / "shard-0.jsonl.zst"
-    caplog.set_level("INFO", logger="draftflow.tokenization")
+    caplog.set_level("INFO", logger="draftflow.data.tokenization")
 
     rc = cli.main(
         [

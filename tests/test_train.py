@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from draftflow.errors import DraftflowError
-from draftflow.storage import SampleStore, encode_sample, sample_key, write_range_index
-from draftflow.train import (
+from draftflow.hidden_states.storage import SampleStore, encode_sample, sample_key, write_range_index
+from draftflow.drafters.train import (
     DistEnv,
     EpochPlan,
     TrainInputs,
@@ -33,8 +33,8 @@ from draftflow.train import (
     train_step,
     use_compile,
 )
-from draftflow.ttt import TTTObjective, ttt_loss
-from draftflow.vocab import save_vocab, select_draft_vocab
+from draftflow.drafters.ttt import TTTObjective, ttt_loss
+from draftflow.drafters.vocab import save_vocab, select_draft_vocab
 
 AUX = [0, 1, 2]
 
@@ -119,8 +119,8 @@ def test_plan_batches_is_a_deterministic_budgeted_partition():
 
 
 def test_overfitting_one_batch_drives_the_loss_down(world):
-    from draftflow.storage import HiddenStateReader
-    from draftflow.vocab import load_vocab
+    from draftflow.hidden_states.storage import HiddenStateReader
+    from draftflow.drafters.vocab import load_vocab
 
     s = TrainSettings.from_dict(settings(learning_rate=1e-2, warmup_ratio=0.0, schedule="constant"))
     drafter, head, _ = build_drafter(s, world["target"], load_vocab(world["vocab"]))
@@ -144,8 +144,8 @@ def test_overfitting_one_batch_drives_the_loss_down(world):
 def test_compiled_training_steps_match_eager_ones(world):
     """train.compile: the compiled norms, MLPs and per-step loss give the eager losses and
     statistics over several steps, on batches of two different lengths (dynamic shapes)."""
-    from draftflow.storage import HiddenStateReader
-    from draftflow.vocab import load_vocab
+    from draftflow.hidden_states.storage import HiddenStateReader
+    from draftflow.drafters.vocab import load_vocab
 
     s = TrainSettings.from_dict(settings(learning_rate=1e-2, warmup_ratio=0.0, schedule="constant", compile=True))
     reader = HiddenStateReader(world["train"])
@@ -176,7 +176,7 @@ def test_compile_setting_is_validated():
 
 
 def test_save_and_load_drafter_round_trip(world, tmp_path):
-    from draftflow.vocab import load_vocab
+    from draftflow.drafters.vocab import load_vocab
 
     s = TrainSettings.from_dict(settings())
     drafter, _, cfg = build_drafter(s, world["target"], load_vocab(world["vocab"]))
@@ -242,7 +242,7 @@ def test_ddp_two_gloo_processes_match_single_process_training(world, tmp_path):
 
 
 def build_initial(world) -> dict:
-    from draftflow.vocab import load_vocab
+    from draftflow.drafters.vocab import load_vocab
 
     drafter, _, _ = build_drafter(TrainSettings.from_dict(settings()), world["target"], load_vocab(world["vocab"]))
     return drafter.export_state_dict()

@@ -7,8 +7,8 @@ import json
 import torch
 
 from draftflow import cli
-from draftflow.storage import SampleStore, encode_sample, read_header, read_range_index, sample_key, write_range_index
-from draftflow.verify import remove_bad_samples, verify_hidden_states
+from draftflow.hidden_states.storage import SampleStore, encode_sample, read_header, read_range_index, sample_key, write_range_index
+from draftflow.hidden_states.verify import remove_bad_samples, verify_hidden_states
 from test_storage import build_ranges, make_sample
 
 

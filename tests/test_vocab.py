@@ -10,7 +10,7 @@ import pytest
 from draftflow import cli
 from draftflow.errors import DraftflowError
 from draftflow.jsonl import write_jsonl
-from draftflow.vocab import build_vocab, load_vocab, select_draft_vocab
+from draftflow.drafters.vocab import build_vocab, load_vocab, select_draft_vocab
 
 
 def test_d2t_t2d_round_trip():

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import copy_workflow, load_default_config, planned_jobs, snakemake, write_config
-from draftflow.storage import SUFFIX, read_index_columns
+from draftflow.hidden_states.storage import SUFFIX, read_index_columns
 
 CONFIG = "--configfile=config/test.yaml"  # the `=` form: --configfile takes several values
 MERGED = "results/merged/manifest.json"

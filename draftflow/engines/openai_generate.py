@@ -455,7 +455,7 @@ class OpenAIGenerationEngine:
         return (
             f"giving up after {self.failures.consecutive} failed requests in a row to {', '.join(endpoints)}; "
             f"last errors:\n{last}\nCheck that the server(s) run and answer "
-            "(python -m draftflow.servers check-endpoint --url <endpoint>), then rerun: finished samples "
+            "(python -m draftflow.engines.servers check-endpoint --url <endpoint>), then rerun: finished samples "
             "are kept. regenerate.openai.max_consecutive_failures sets this limit."
         )
 
@@ -526,7 +526,7 @@ class _Progress:
 
 def resolve_model(settings: OpenAISettings, api_key: str | None) -> str:
     """The served model every endpoint must offer (regenerate.openai.model, or the one model served)."""
-    from draftflow.servers import check_served_model
+    from draftflow.engines.servers import check_served_model
 
     model = settings.model
     timeout = min(settings.timeout_s, 30.0)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftflow.drafter import Eagle3Drafter, TTTCache
+from draftflow.drafters.eagle3 import Eagle3Drafter, TTTCache
 
 # rows of the per-step statistics tensor [len(STAT_ROWS), steps]
 STAT_ROWS = ("loss_sum", "tokens", "correct", "chain_hits", "chain_trials")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from draftflow.drafter import ARCHITECTURE, Eagle3Config, Eagle3Drafter
+from draftflow.drafters.eagle3 import ARCHITECTURE, Eagle3Config, Eagle3Drafter
 from draftflow.engines.layer_ids import DraftIds, aux_from_draft_ids, draft_config_ids
 from draftflow.errors import DraftflowError, reject_unknown_keys
 from draftflow.jsonl import atomic_path, read_json, write_json
@@ -364,7 +364,7 @@ def import_drafter(
     """
     from draftflow.config import default_aux_layer_ids
     from draftflow.target import target_identity
-    from draftflow.train import load_target_tensors, save_drafter
+    from draftflow.drafters.train import load_target_tensors, save_drafter
 
     if source not in ("sglang", "specforge"):
         raise DraftflowError(f"import-drafter --from must be sglang or specforge, got {source!r}")

@@ -3,7 +3,7 @@
 LAYOUT: a sample's hidden tensor is [T, L, H] with L = number of aux layers + 1;
 hidden[:, :-1] are the aux layers in config order and hidden[:, -1] is the final
 post-norm state (the slot layout of speculators' `hidden_states [T, 4, H]`, whose
-last slot is the pre-norm state though: `draftflow.interop` converts it).
+last slot is the pre-norm state though: `draftflow.hidden_states.interop` converts it).
 
 Three pieces (DESIGN.md §4):
 
@@ -73,7 +73,7 @@ _INT_VIEW: dict[int, tuple[torch.dtype, np.dtype]] = {
 }
 
 if sys.byteorder != "little":  # byte planes and np.frombuffer assume little-endian memory
-    raise ImportError("draftflow.storage needs a little-endian machine")
+    raise ImportError("draftflow.hidden_states.storage needs a little-endian machine")
 
 
 # ---------------------------------------------------------------- checksums

@@ -1,13 +1,13 @@
 """`draftflow evaluate`: the drafter's acceptance length, simulated and real (DESIGN.md §3).
 
-* **Simulated** (teacher forced): the training-time-test unroll of `draftflow.ttt` on the eval
+* **Simulated** (teacher forced): the training-time-test unroll of `draftflow.drafters.ttt` on the eval
   split's stored hidden states. Each row j anchors a chain: step k reads the data token
   x_{j+1+k} and the drafter's own hidden state and must hit the target's argmax z_{j+1+k};
   a step counts where the token it predicts is a loss (assistant) token. α_k = P(step k hits |
   steps < k hit), τ_sim = 1 + Σ_k Π_{j≤k} α_j for K = max(draft_tokens). Where the data is
   the target's own greedy output this is exactly what real decoding would accept from each
   anchor; real decoding just visits fewer anchors (one per verify step).
-* **Real**: greedy chain speculative decoding (`draftflow.speculative`) with the HF target,
+* **Real**: greedy chain speculative decoding (`draftflow.evaluation.speculative`) with the HF target,
   for each K in draft_tokens, on prompts from the eval split (tokens before the first loss
   token) and from an optional prompts file (one per line, rendered with the chat template).
   The same prompts through the same verify loop with a prompt-lookup (n-gram) drafter give
@@ -29,7 +29,7 @@ import torch
 
 from draftflow.errors import DraftflowError, reject_unknown_keys, where
 from draftflow.jsonl import atomic_path, read_jsonl, write_json
-from draftflow.speculative import (
+from draftflow.evaluation.speculative import (
     AcceptanceStats,
     DecodeResult,
     Eagle3Proposer,
@@ -39,7 +39,7 @@ from draftflow.speculative import (
     greedy_decode,
     speculative_decode,
 )
-from draftflow.ttt import TargetHead, acceptance_length, unroll
+from draftflow.drafters.ttt import TargetHead, acceptance_length, unroll
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class EvaluateSettings:
 @dataclass
 class SimulatedAcceptance:
     """Chain counts over anchors: trials[k] anchors whose steps < k hit and whose step k counts,
-    hits[k] those whose step k hit too (the `chain_trials` / `chain_hits` of draftflow.ttt)."""
+    hits[k] those whose step k hit too (the `chain_trials` / `chain_hits` of draftflow.drafters.ttt)."""
 
     steps: int
     trials: list[int] = None  # type: ignore[assignment]
@@ -314,9 +314,9 @@ def _check_layers(cfg, settings: EvaluateSettings, drafter_dir: Path) -> None:
 
 
 def run_evaluate(inputs: EvaluateInputs, settings: EvaluateSettings) -> dict:
-    from draftflow.storage import HiddenStateReader
+    from draftflow.hidden_states.storage import HiddenStateReader
     from draftflow.target import load_target, resolve_device
-    from draftflow.train import load_drafter
+    from draftflow.drafters.train import load_drafter
 
     device = resolve_device(settings.device)
     dtype = torch.float32 if device.type == "cpu" else "auto"  # CPU half-precision matmuls are slow

@@ -13,7 +13,7 @@ their size is subtracted from the plan first. This is an estimate: store files l
 older, incompatible run also count, which makes the check optimistic after such a run.
 Without a storage plan (`--plan` left out, e.g. a preflight before regeneration) it is skipped.
 
-Server checks (`draftflow.servers.server_checks`), when the settings carry the config's
+Server checks (`draftflow.engines.servers.server_checks`), when the settings carry the config's
 `regenerate` section with `engine: openai`: every `regenerate.openai.endpoints` entry answers
 GET <endpoint>/models within `server_timeout_s` and serves `regenerate.openai.model` (with
 the API key from the variable `api_key_env` names, if any). An openai engine without
@@ -35,7 +35,7 @@ from typing import Any
 
 from draftflow.errors import DraftflowError, reject_unknown_keys
 from draftflow.jsonl import read_json, write_json
-from draftflow.plan import format_bytes
+from draftflow.hidden_states.plan import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def server_checks_for(settings: PreflightSettings) -> list[Check]:
     """The endpoint checks the `regenerate` section asks for (none unless its engine is openai)."""
     if not settings.regenerate or settings.regenerate.get("engine", "hf") != "openai":
         return []
-    from draftflow.servers import server_checks  # servers imports CheckResult from here
+    from draftflow.engines.servers import server_checks  # servers imports CheckResult from here
 
     return [check_openai_endpoints_configured, *server_checks(dict(settings.regenerate), settings.server_timeout_s)]
 

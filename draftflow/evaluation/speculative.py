@@ -138,7 +138,7 @@ class Proposer(Protocol):
 
 
 class Eagle3Proposer:
-    """Chain drafting with an EAGLE-3 drafter (`draftflow.drafter.Eagle3Drafter` API).
+    """Chain drafting with an EAGLE-3 drafter (`draftflow.drafters.eagle3.Eagle3Drafter` API).
 
     Its KV cache holds one row per target position (target state i paired with token i+1) plus
     the rows of the last chain's drafts, which are cropped before the next call.
@@ -148,7 +148,7 @@ class Eagle3Proposer:
     needs_aux = True
 
     def __init__(self, drafter):
-        from draftflow.drafter import KVCache
+        from draftflow.drafters.eagle3 import KVCache
 
         self.drafter = drafter.eval()
         self._new_cache = lambda: KVCache(drafter.num_layers)

@@ -16,7 +16,7 @@ client's timeout, and a dropped connection (the socket closed halfway through th
 It stops by itself after `lifetime_s` or `max_requests`. `scripts/serve_openai_test.py`
 runs it by hand.
 
-`python -m draftflow.servers check-gpus|check-endpoint …` runs the checks from a shell.
+`python -m draftflow.engines.servers check-gpus|check-endpoint …` runs the checks from a shell.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 from draftflow.errors import DraftflowError
-from draftflow.preflight import CheckResult
+from draftflow.hidden_states.preflight import CheckResult
 
 log = logging.getLogger(__name__)
 
@@ -494,7 +494,7 @@ def _handler_for(server: OpenAITestServer) -> type[BaseHTTPRequestHandler]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m draftflow.servers", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m draftflow.engines.servers", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gpus = sub.add_parser("check-gpus", help="exit 1 if another process holds a compute context on the GPUs")
     gpus.add_argument("--gpus", default=None, help="comma-separated indices or UUIDs (default: CUDA_VISIBLE_DEVICES or all)")

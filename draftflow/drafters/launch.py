@@ -21,7 +21,7 @@ from `scontrol show job` when the variables are missing. A multi-node rule must 
 submitted as an "mpi" job (resource `mpi`), so that its command runs once in the batch
 script and our `srun` can start one task per node (see docs/cluster.md).
 
-`python -m draftflow.launch` (what `--check` runs under the launcher) is a distributed
+`python -m draftflow.drafters.launch` (what `--check` runs under the launcher) is a distributed
 smoke test: every process all-reduces its rank and prints what it saw.
 """
 
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 BACKEND_ENV = "DRAFTFLOW_DIST_BACKEND"
 PORT_ENV = "DRAFTFLOW_RDZV_PORT"
 TRAIN_ARGS = ["-m", "draftflow.cli", "train"]
-CHECK_ARGS = ["-m", "draftflow.launch"]
+CHECK_ARGS = ["-m", "draftflow.drafters.launch"]
 
 
 class LaunchError(DraftflowError):

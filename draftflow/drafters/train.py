@@ -40,11 +40,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from draftflow.drafter import Eagle3Config, Eagle3Drafter
+from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from draftflow.errors import DraftflowError, reject_unknown_keys, where
 from draftflow.jsonl import atomic_path, fsync_dir, read_json, write_json
-from draftflow.ttt import STAT_ROWS, TargetHead, TTTObjective, step_token_counts, summarize
-from draftflow.vocab import DraftVocab, load_vocab
+from draftflow.drafters.ttt import STAT_ROWS, TargetHead, TTTObjective, step_token_counts, summarize
+from draftflow.drafters.vocab import DraftVocab, load_vocab
 
 log = logging.getLogger(__name__)
 
@@ -729,7 +729,7 @@ class TrainInputs:
 
 
 def _check_ranges(reader, cfg: Eagle3Config, label: str) -> None:
-    from draftflow.storage import read_range_index
+    from draftflow.hidden_states.storage import read_range_index
 
     for d in reader.range_dirs:
         meta, _ = read_range_index(d)
@@ -747,7 +747,7 @@ def _check_ranges(reader, cfg: Eagle3Config, label: str) -> None:
 
 def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = None) -> dict:
     """Train (resuming when the state folder has a checkpoint of this exact run); returns the final eval summary."""
-    from draftflow.storage import HiddenStateReader
+    from draftflow.hidden_states.storage import HiddenStateReader
 
     env = env or init_distributed(s.gpus)
     cuda = env.device.type == "cuda"

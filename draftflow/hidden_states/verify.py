@@ -23,7 +23,7 @@ import torch
 
 from draftflow.errors import DraftflowError
 from draftflow.jsonl import write_json
-from draftflow.storage import (
+from draftflow.hidden_states.storage import (
     IndexEntry,
     SampleStore,
     decode_sample,

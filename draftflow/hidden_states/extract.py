@@ -2,7 +2,7 @@
 
 `draftflow extract` runs records [start, end) of a merged split through the target once
 (prefill only) and stores, per sample, the aux layers + final state in the content-keyed
-store (draftflow.storage). The range folder gets only a small index: Snakemake deletes it
+store (draftflow.hidden_states.storage). The range folder gets only a small index: Snakemake deletes it
 before a rerun, the store survives, so
 
 * a sample already in the store (same target, layers, engine numerics and tokens) is
@@ -55,7 +55,7 @@ from draftflow.engines.capture import (
 )
 from draftflow.errors import DraftflowError, where
 from draftflow.jsonl import read_json, write_json
-from draftflow.storage import (
+from draftflow.hidden_states.storage import (
     IndexEntry,
     SampleStore,
     encode_sample_parts,
@@ -67,7 +67,7 @@ from draftflow.storage import (
     write_range_index,
 )
 
-log = logging.getLogger("draftflow.extract")
+log = logging.getLogger("draftflow.hidden_states.extract")
 
 FAILURES_NAME = "failures.json"
 

@@ -5,7 +5,7 @@ Formats (checked against SpecForge main: `scripts/prepare_hidden_states.py`,
 `hs_connectors.FileTransfer`, `Eagle3` core's `verifier_norm`):
 
 * **draftflow**: range folders `rows_{start}-{end}/index.json` (optionally under a
-  split folder) pointing into a content-keyed store (`draftflow.storage`).
+  split folder) pointing into a content-keyed store (`draftflow.hidden_states.storage`).
 * **SpecForge**: `rows_{g}-{g+2000}/data_{i}.ckpt` (or `.ckpt.gz`, gzip), one
   `torch.save` dict per sample: `input_ids` [T] int64, `loss_mask` [T] int64,
   `aux_hidden_state` [1, T, A·H] (aux layers concatenated along the last dim in
@@ -41,7 +41,7 @@ import torch
 
 from draftflow.errors import DraftflowError
 from draftflow.jsonl import atomic_path, read_json, write_json
-from draftflow.storage import (
+from draftflow.hidden_states.storage import (
     HiddenStateReader,
     IndexEntry,
     Sample,
