@@ -241,17 +241,6 @@ def test_vllm_export_is_the_speculators_format_vllm_reads(saved):
     assert loaded["model.fc.weight"][None][1] == torch.bfloat16
 
 
-def test_vllm_export_refuses_multi_layer_drafters(saved, tmp_path):
-    model = tiny_target(vocab=V, layers=LAYERS, dtype=torch.float32)
-    from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-
-    cfg = Eagle3Config.from_target(model.config.to_dict(), draft_vocab_size=V, aux_layer_ids=AUX, num_hidden_layers=2)
-    save_drafter(Eagle3Drafter(cfg), tmp_path / "d2", dtype=torch.float32)
-    args = ["export", "--drafter", str(tmp_path / "d2"), "--target", str(saved / "target"),
-            "--settings", "{}", "--output-dir", str(tmp_path / "out")]  # fmt: skip
-    assert cli_main(args) == 1
-
-
 # ---------------------------------------------------------------- aux layer ids
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32}

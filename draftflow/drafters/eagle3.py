@@ -1,27 +1,31 @@
-"""The EAGLE-3 drafter (DESIGN.md §3): one Llama-style decoder layer over fused target states.
+"""The EAGLE-3 drafter (DESIGN.md §3): Llama-style decoder layers over fused target states.
 
 Parameter names follow SGLang's `LlamaForCausalLMEagle3` checkpoint layout
 (sgl-project/sglang, python/sglang/srt/models/llama_eagle3.py), so a saved state dict
 loads there as it is:
 
-    fc.weight                                   [H, 3H]   fuses the 3 aux states, no bias
+    fc.weight                                   [H, n_aux*H]  fuses the aux states, no bias
     midlayer.input_layernorm.weight             [H]       norm of the token embedding
     midlayer.hidden_norm.weight                 [H]       norm of the (fused or own) hidden state
     midlayer.self_attn.{q,k,v}_proj.weight      [*, 2H]   read cat(embed_norm, hidden_norm), that order
     midlayer.self_attn.o_proj.weight            [H, heads*head_dim]
     midlayer.post_attention_layernorm.weight    [H]
     midlayer.mlp.{gate,up,down}_proj.weight
-    additional_layers.{i}.*                     layers 2.. (num_hidden_layers > 1), H-wide input
+    layers.{i}.hidden_norm.weight, layers.{i}.self_attn.*, layers.{i}.post_attention_layernorm.weight,
+    layers.{i}.mlp.*                            layers i = 1 .. num_hidden_layers-1, H-wide q/k/v
     norm.weight, lm_head.weight [Vd, H], d2t [Vd] int64, t2d [V] bool
 
-The token embedding `embed_tokens` is the target's, frozen, and never exported.
+The token embedding `embed_tokens` is the target's, frozen, and never exported. SGLang maps
+`midlayer` to `layers.0`, so layer i is its `model.layers.{i}`.
 
-Residual stream, as SGLang computes it: with h the input hidden state,
-    r = h + attn(cat(in_norm(embed), hidden_norm(h)));  out = r + mlp(post_norm(r))
-`out` (before the final norm) is the hidden state fed back for the next draft token;
-logits = lm_head(norm(out)). SGLang's extra layers (`BasicDecoderLayer`) start a new
-residual from the previous layer's MLP output; we reproduce that so that multi-layer
-drafters behave the same when served.
+Residual stream, as the pinned SGLang (0.5.14, 0.5.23) computes it, and vLLM's Eagle3 Llama
+(whose layers i >= 1 call the pre-attention norm `input_layernorm`); h is the input hidden state:
+    layer 0:   r = h + attn(cat(in_norm(embed), hidden_norm(h)));  x = mlp(post_norm(r))
+    layer i:   s = x + r;  r = s + attn(hidden_norm(s));            x = mlp(post_norm(r))
+    out = x + r  (before the final norm);  logits = lm_head(norm(out)).
+The residual carries on through every layer; `out` is the hidden state fed back for the next
+draft token. (draftflow format 1 restarted the residual at each extra layer, after an older
+SGLang; such multi-layer drafters are refused on load: retrain them.)
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+# 2: extra layers are `layers.{i}` and carry the residual (1: `additional_layers.*`, restarted)
+FORMAT_VERSION = 2
 SUPPORTED_ROPE = ("default", "linear", "llama3")
 
 
@@ -146,7 +152,7 @@ class Eagle3Config:
                 "use_aux_hidden_state": True,
             },
             "draftflow": {
-                "format_version": 1,
+                "format_version": FORMAT_VERSION,
                 "aux_layer_ids": list(self.aux_layer_ids),
                 "aux_layer_id_convention": "output of decoder layer i, counted from 0",
                 "ttt_steps": self.ttt_steps,
@@ -159,6 +165,12 @@ class Eagle3Config:
     @classmethod
     def from_dict(cls, d: dict) -> "Eagle3Config":
         ours = dict(d.get("draftflow") or {})
+        if ours.get("format_version") == 1 and d.get("num_hidden_layers", 1) > 1:
+            raise ValueError(
+                f"a {d['num_hidden_layers']}-layer drafter of draftflow format 1, whose extra layers "
+                "(additional_layers.*) restart the residual stream; SGLang 0.5.14 / 0.5.23 and vLLM carry it "
+                "on and skip those names, so it cannot be served: retrain it with this draftflow"
+            )
         aux = ours.pop("aux_layer_ids", None) or (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         if aux is None:
             raise ValueError("config has no aux layer ids (draftflow.aux_layer_ids or eagle_config)")
@@ -301,7 +313,8 @@ class FrozenEmbedding(nn.Module):
 
 
 class ExtraLayer(nn.Module):
-    """Layers 2.. as SGLang's `BasicDecoderLayer`: the residual restarts from the incoming MLP output."""
+    """Layers 1.. as SGLang's `LlamaDecoderLayer` with layer_id > 0: H-wide attention input, and the
+    residual stream carried on from the previous layer (its MLP output is added to it first)."""
 
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
@@ -310,8 +323,9 @@ class ExtraLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, hidden, cos, sin, cache, layer: int):
-        residual = hidden + self.self_attn(self.hidden_norm(hidden), cos, sin, cache, layer)
+    def forward(self, x, residual, cos, sin, cache, layer: int):
+        stream = x + residual  # SGLang: hidden_norm(x, residual), a fused add + norm
+        residual = stream + self.self_attn(self.hidden_norm(stream), cos, sin, cache, layer)
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
 
@@ -431,7 +445,8 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens = FrozenEmbedding(cfg.vocab_size, H)  # set it from the target before use
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * H, H, bias=False)
         self.midlayer = MidLayer(cfg)
-        self.additional_layers = nn.ModuleList(ExtraLayer(cfg) for _ in range(cfg.num_hidden_layers - 1))
+        # keyed "1", "2", …: state-dict names `layers.{i}.*` are SGLang's `model.layers.{i}.*`
+        self.layers = nn.ModuleDict({str(i): ExtraLayer(cfg) for i in range(1, cfg.num_hidden_layers)})
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg)
@@ -480,8 +495,8 @@ class Eagle3Drafter(nn.Module):
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary(position_ids)
         x, residual = self.midlayer(embeds, hidden, cos, sin, cache, 0)
-        for i, layer in enumerate(self.additional_layers, start=1):
-            x, residual = layer(x, cos, sin, cache, i)
+        for i, layer in self.layers.items():
+            x, residual = layer(x, residual, cos, sin, cache, int(i))
         out = x + residual  # pre-norm: fed back as the next draft step's hidden state
         return self.lm_head(self.norm(out)), out
 

@@ -439,7 +439,7 @@ def wrap_parallel(objective: TTTObjective, env: DistEnv, fsdp: bool) -> nn.Modul
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
-        for layer in [objective.drafter.midlayer, *objective.drafter.additional_layers]:
+        for layer in [objective.drafter.midlayer, *objective.drafter.layers.values()]:
             fully_shard(layer)
         return fully_shard(objective)
     # frozen embedding and vocab buffers never change: no per-step buffer broadcast

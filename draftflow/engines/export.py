@@ -4,14 +4,15 @@ existing SpecForge / SGLang-format EAGLE-3 drafters into ours.
 Export writes, under --output-dir:
 
 * `sglang/`: config.json for `LlamaForCausalLMEagle3` and model.safetensors with the names its
-  loader reads (sgl-project/sglang python/sglang/srt/models/llama_eagle3.py: `fc`, `midlayer.*`,
-  `additional_layers.*`, `norm`, `lm_head`, `d2t` → hot_token_id = d2t + arange, `t2d` skipped;
-  q/k/v and gate/up are stacked by its `load_weights`; no embedding: SGLang shares the
+  loader reads (sgl-project/sglang python/sglang/srt/models/llama_eagle3.py, 0.5.14 / 0.5.23:
+  `fc`, `midlayer.*` → `model.layers.0.*`, `layers.{i}.*` → `model.layers.{i}.*`, `norm`,
+  `lm_head`, `d2t` → hot_token_id = d2t + arange, `t2d` skipped; q/k/v and gate/up are stacked
+  by its `load_weights`, which skips unknown names silently; no embedding: SGLang shares the
   target's), plus launch.sh (`python -m sglang.launch_server … --speculative-algorithm EAGLE3`);
 * `vllm/`: the speculators format (vllm-project/speculators src/speculators/models/eagle3/
   config.py `Eagle3SpeculatorConfig`, read by vLLM's
   vllm/transformers_utils/configs/speculators/{base,algos}.py) with tensors named as the
-  speculators model names them (`layers.0.*`; vLLM's llama_eagle3.py `load_weights` also maps
+  speculators model names them (`layers.{i}.*`; vLLM's llama_eagle3.py `load_weights` also maps
   `midlayer.` to `layers.0.`), plus launch.sh (`vllm serve … --speculative-config`);
 * export.json: what was written, and the aux layer ids translated for each engine.
 
@@ -20,6 +21,14 @@ engine captures the *input* of decoder layer j (= output of layer j-1) and deriv
 config ids by its own rule, per engine, architecture and version. That rule lives in one table,
 `draftflow/engines/layer_ids.py`, shared with extraction; export refuses a release the table
 cannot place (e.g. SGLang 0.5.12 for DeepSeek/Kimi targets).
+
+Every drafter shape the trainer allows serves in both engines (checked against the pinned
+releases' own code: tests/test_export_engines.py): extra layers (both engines' layers i >= 1
+carry the residual on, as ours do; SGLang normalizes their input with `hidden_norm`, vLLM with
+`input_layernorm`, so the vLLM export renames it) and any aux-layer count (SGLang sizes `fc`
+from `eagle_config`; vLLM's speculators path only from `num_aux_hidden_states`, else 3).
+Parameters an engine allocates but never reads (layer i >= 1's other norm) are written as ones,
+so that loading leaves no parameter unset.
 """
 
 from __future__ import annotations
@@ -79,6 +88,8 @@ def read_drafter(path: Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
         cfg = Eagle3Config.from_dict(read_json(path / "config.json"))
     except FileNotFoundError:
         raise DraftflowError(f"{path}: no config.json; not a drafter folder") from None
+    except (KeyError, ValueError) as e:
+        raise DraftflowError(f"{path / 'config.json'}: not an EAGLE-3 drafter config: {e}") from None
     try:
         tensors = load_file(str(path / "model.safetensors"))
     except FileNotFoundError:
@@ -118,6 +129,17 @@ def sglang_config(cfg: Eagle3Config, engine_ids: list[int], dtype: str) -> dict:
     return config
 
 
+def _unused_norms(cfg: Eagle3Config, name: str, like: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`layers.{i}.{name}` = ones for the extra layers: a norm the engine's layer i >= 1 allocates
+    (its Llama decoder layer base class) but never applies."""
+    return {f"layers.{i}.{name}.weight": torch.ones_like(like) for i in range(1, cfg.num_hidden_layers)}
+
+
+def sglang_tensors(tensors: dict[str, torch.Tensor], cfg: Eagle3Config) -> dict[str, torch.Tensor]:
+    """Ours are SGLang's names; its layers i >= 1 also hold an input_layernorm they never apply."""
+    return {**tensors, **_unused_norms(cfg, "input_layernorm", tensors["norm.weight"])}
+
+
 def launch_script(header: str, command: list[str], extra: str = "") -> str:
     """A bash script: the drafter is the script's own folder, TARGET may be overridden."""
     lines = [shlex.quote(a) if not a.startswith('"$') else a for a in command]
@@ -153,13 +175,26 @@ def sglang_launch(target_path: Path, steps: int, tp: int, trust_remote_code: boo
 
 
 def vllm_tensors(tensors: dict[str, torch.Tensor], cfg: Eagle3Config) -> dict[str, torch.Tensor]:
-    if cfg.num_hidden_layers != 1:
-        # vLLM's layers 1.. continue the residual stream; SGLang's (and ours) restart it.
-        raise DraftflowError(
-            f"the vLLM export supports 1-layer drafters; this one has {cfg.num_hidden_layers} "
-            "(vLLM's extra Eagle3 layers compute differently from SGLang's, which training follows)"
-        )
-    return {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: v for k, v in tensors.items()}
+    """vLLM's names: `layers.0.` for `midlayer.`; its layers i >= 1 normalize their input with
+    `input_layernorm` where SGLang (and ours) use `hidden_norm` (same computation: the carried
+    residual stream, normed, feeds attention). A draft vocabulary equal to the target's needs no
+    d2t: vLLM 0.33 then has no `draft_id_to_target_id` to load it into (0.25.1 keeps its zeros)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.startswith("midlayer."):
+            name = "layers.0." + name.removeprefix("midlayer.")
+        elif name.startswith("layers.") and ".hidden_norm." in name:
+            name = name.replace(".hidden_norm.", ".input_layernorm.")
+        out[name] = t
+    out.update(_unused_norms(cfg, "hidden_norm", tensors["norm.weight"]))
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        if torch.any(out["d2t"] != 0):
+            raise DraftflowError(
+                "the draft vocabulary is the whole target vocabulary but reordered (d2t is not all zeros); "
+                "vLLM 0.33 drafts over the target's own order then: retrain with a sorted draft vocabulary"
+            )
+        del out["d2t"], out["t2d"]
+    return out
 
 
 def vllm_config(
@@ -183,6 +218,8 @@ def vllm_config(
         "mlp_bias": False,
         "tie_word_embeddings": False,
         "vocab_size": cfg.vocab_size,  # the target's: the embedding is shared with it
+        # vLLM sizes fc from this (else eagle_config's ids, which speculators configs lack, else 3)
+        "num_aux_hidden_states": len(cfg.aux_layer_ids),
         "torch_dtype": dtype,
     }
     return {
@@ -295,7 +332,7 @@ def export_drafter(drafter_dir: Path, target: Path, settings: ExportSettings, ou
     vl_ids = engine_aux_ids("vllm", settings.vllm_version, target_config, cfg.aux_layer_ids)
     sg = output_dir / "sglang"
     sg.mkdir(parents=True, exist_ok=True)
-    _save(tensors, sg / "model.safetensors")
+    _save(sglang_tensors(tensors, cfg), sg / "model.safetensors")
     write_json(sg / "config.json", sglang_config(cfg, sg_ids.ids, settings.dtype))
     _write_launch(sg / "launch.sh", sglang_launch(target_path, steps, tp, trust, settings.sglang_version))
     manifest["sglang"] = sg_ids.as_json()
@@ -333,8 +370,18 @@ def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _normalize_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """SGLang accepts names with or without the `model.` prefix; ours have none."""
-    return {k.removeprefix("model."): v for k, v in tensors.items()}
+    """SGLang accepts names with or without the `model.` prefix, and `layers.0.` for `midlayer.`;
+    ours have no prefix and `midlayer.`. The input_layernorm of layers i >= 1, which SGLang
+    allocates but never applies (our export writes ones there), is dropped."""
+    out = {}
+    for k, v in tensors.items():
+        k = k.removeprefix("model.")
+        if k.startswith("layers.0."):
+            k = "midlayer." + k.removeprefix("layers.0.")
+        if k.startswith("layers.") and k.endswith(".input_layernorm.weight"):
+            continue
+        out[k] = v
+    return out
 
 
 def _vocab_mapping(tensors: dict, vocab: int, draft_vocab: int, path: Path) -> None:

@@ -1,0 +1,264 @@
+"""The released source of the pinned SGLang / vLLM versions, for tests that check our exports
+against what those engines do (tests/test_export_engines.py).
+
+Only the few Python files the checks read are fetched: straight out of the release wheels on
+PyPI with HTTP range requests (a few hundred KB in all, where the wheels are 12 MB to 340 MB),
+once, into a cache: $DRAFTFLOW_ENGINE_SOURCE, else ~/.cache/draftflow/engine-source (or under
+$XDG_CACHE_HOME). Every file is pinned by its sha256, so a check always reads exactly the
+released text. Nothing here is copied into the project.
+
+`load_defs` runs chosen top-level definitions of such a file (classes, functions) in a namespace
+that supplies every engine-internal name they use (stubs written by the test), without importing
+the engine: its package needs GPUs and compiled kernels; the logic under test is plain Python.
+"""
+
+from __future__ import annotations
+
+import __future__
+import ast
+import hashlib
+import io
+import json
+import os
+import sys
+import types
+import urllib.request
+import zipfile
+from pathlib import Path
+
+SIMPLE_INDEX = os.environ.get("DRAFTFLOW_PYPI_SIMPLE", "https://pypi.org/simple")
+
+# (project, version) -> {member path in the wheel: sha256 of the released file}
+PINNED: dict[tuple[str, str], dict[str, str]] = {
+    ("sglang", "0.5.14"): {
+        "sglang/srt/models/llama_eagle3.py": "9b28ad9029faefb7ec81bb871b278b85b73ea05929b992a548b0bde488f615f1",
+        "sglang/srt/models/llama.py": "39af0c619a70bd9adfb5711f11396116f9f8caa146fa2a0e7a242720f6ca4c49",
+        "sglang/srt/layers/layernorm.py": "5c18eb97e1f101476bb54e2ec7270be496ccae4ccd86a68f5bc8e2f744473a0e",
+        "sglang/srt/layers/activation.py": "435be17d6dfc6f86c52f17c56cf67dcbed58534b1d7b46800df16b626518777c",
+    },
+    ("sglang", "0.5.23"): {
+        "sglang/srt/models/llama_eagle3.py": "b25e5f839b088ddf50138bce4a3c4569acc31f8203727b9a7e2a53c337287dac",
+        "sglang/srt/models/llama.py": "19a843fda901ee5cdc1ede2356d5e87f804fd87a37cc2719b6698f434b82c9ae",
+        "sglang/srt/layers/layernorm.py": "dca150fc6e2c469d036633d0abd1b39d95480b8ade6c2f2e5260c6240c49d68e",
+        "sglang/srt/layers/activation.py": "3e1d406e7b1cf8ddb4af65f32f9998fffd1541edb8fcb5997fe73713b87bd3e3",
+    },
+    ("vllm", "0.25.1"): {
+        "vllm/model_executor/models/llama_eagle3.py": "a1b92dfecb60b2514e53a9582f20495c5edced10288ae73ee5b648bfcbebeca9",
+        "vllm/model_executor/models/llama.py": "03ec84a266c202123bd5f66f5cb4fdbd9402a94b18db8f16cb9ad4795d07c410",
+        "vllm/model_executor/models/utils.py": "921e1f9d1e78cc65bb68b53b4c2648444936c09b9b63e375b352e848cdecf3e8",
+        "vllm/model_executor/layers/layernorm.py": "696615d858292fea7a2942480803cd4c7d2d1e88d818bfe5cd9d695ac464f37c",
+        "vllm/model_executor/layers/activation.py": "9d68bb40e67af4541a7df40b48dff7dec0b97b18fc2176e7527473f2df360a8c",
+        "vllm/ir/ops/layernorm.py": "d8e4380ca97d2c719836a7e15fb410a73d354b15d79fc54275b573bbb1c06910",
+        "vllm/transformers_utils/configs/speculators/base.py": "1d11dfa07002f0491be1b72a871d2580703b6078f46467c5c5cd6d8bbd073091",
+        "vllm/transformers_utils/configs/speculators/algos.py": "d38a5881284de45c8f121375c4a74cccb24f9cd6a0e4d39f6f165075b0e4dfe3",
+        "vllm/transformers_utils/config.py": "f3b50c2d4103cc2fd4daaa082ce1186d24b0bd405f7197c14ccda86238e18165",
+        "vllm/config/utils.py": "2d3ae76b61c478f920744fa1521afc2b5e3c567d25106bee87906ac5822f7a4b",
+    },
+    ("vllm", "0.33.0"): {
+        "vllm/model_executor/models/llama_eagle3.py": "f669995647e71998abe721c2bc215f0ac462838bddc3d721fba8dc0aaae5d3b9",
+        "vllm/model_executor/models/llama.py": "1654ee1ea3a030772dac4e4953843996bbc24c835aa63137e4e7e5c7ecf31a2c",
+        "vllm/model_executor/models/utils.py": "4b30956a7b5b16c27d82f785c83ec35cbf5115f300d7f292b869d2a91b26da4b",
+        "vllm/model_executor/layers/layernorm.py": "45a29c6f8a78c6a76fb6abf4dbe68ff3ab21b73293cd0fe63d612322f098e0c6",
+        "vllm/model_executor/layers/activation.py": "bebeddbd4997f49f54471ee31ac42b22c3c11dfe25244e55d20c36f390489c05",
+        "vllm/ir/ops/layernorm.py": "b7621f663a97caf6908507b6cbe03adf23d0001a441d44af2b24c1ad0fc8bf57",
+        "vllm/transformers_utils/configs/speculators/base.py": "4f845b848845b343ac73a96d28629304ac6ec1b404ab538cd159038ba205a7fe",
+        "vllm/transformers_utils/configs/speculators/algos.py": "17a74ad366bf5b58ab988388c1ed2f6221c60e7b064eaba75830a5664e690395",
+        "vllm/transformers_utils/config.py": "db2a6f8d292b6e4e545c51df3e7e0756ff5377ca1b2879be204d04f06d854ff7",
+        "vllm/config/utils.py": "eb3f40bb32522dfdd802f9c456184c501d30dc0fcd36d0edebcb04b510e3ec8b",
+    },
+}
+
+
+class SourceUnavailable(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    if os.environ.get("DRAFTFLOW_ENGINE_SOURCE"):
+        return Path(os.environ["DRAFTFLOW_ENGINE_SOURCE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "draftflow" / "engine-source"
+
+
+class _RangeFile(io.RawIOBase):
+    """A seekable read-only file over HTTP range requests (64 KiB blocks, cached), for zipfile."""
+
+    BLOCK = 1 << 16
+
+    def __init__(self, url: str):
+        super().__init__()
+        self.url, self.pos, self.blocks = url, 0, {}
+        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=60) as r:
+            self.size = int(r.headers["Content-Length"])
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.size + offset
+        return self.pos
+
+    def _block(self, i: int) -> bytes:
+        if i not in self.blocks:
+            start, end = i * self.BLOCK, min(self.size, (i + 1) * self.BLOCK) - 1
+            req = urllib.request.Request(self.url, headers={"Range": f"bytes={start}-{end}"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                self.blocks[i] = r.read()
+        return self.blocks[i]
+
+    def read(self, n: int = -1) -> bytes:
+        end = self.size if n is None or n < 0 else min(self.size, self.pos + n)
+        out = bytearray()
+        while self.pos < end:
+            block = self._block(self.pos // self.BLOCK)
+            off = self.pos % self.BLOCK
+            piece = block[off : off + end - self.pos]
+            out += piece
+            self.pos += len(piece)
+        return bytes(out)
+
+
+def _wheel_urls(project: str, version: str) -> list[str]:
+    accept = {"Accept": "application/vnd.pypi.simple.v1+json"}  # PEP 691 JSON
+    req = urllib.request.Request(f"{SIMPLE_INDEX}/{project}/", headers=accept)
+    with urllib.request.urlopen(req, timeout=60) as r:
+        files = json.load(r)["files"]
+    wheels = [f for f in files if f["filename"].startswith(f"{project}-{version}-") and f["filename"].endswith(".whl")]
+    wheels.sort(key=lambda f: ("x86_64" not in f["filename"], f["filename"]))  # any wheel: members are pinned
+    return [f["url"] for f in wheels]
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _fetch(project: str, version: str, members: dict[str, str], dest: Path) -> None:
+    urls = _wheel_urls(project, version)
+    if not urls:
+        raise SourceUnavailable(f"PyPI lists no wheel of {project} {version}")
+    wheel = zipfile.ZipFile(_RangeFile(urls[0]))
+    for member, digest in members.items():
+        data = wheel.read(member)
+        if digest and _sha256(data) != digest:
+            raise SourceUnavailable(f"{urls[0]}: {member} has sha256 {_sha256(data)}, pinned {digest}")
+        path = dest / member
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".part")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+
+
+def engine_source(project: str, version: str) -> Path:
+    """The folder holding the pinned members of `project` `version` (fetched once, then cached)."""
+    members = PINNED[(project, version)]
+    dest = cache_dir() / f"{project}-{version}"
+    stale = [m for m, d in members.items() if not (dest / m).is_file() or (d and _sha256((dest / m).read_bytes()) != d)]
+    if stale:
+        try:
+            _fetch(project, version, {m: members[m] for m in stale}, dest)
+        except (OSError, zipfile.BadZipFile, KeyError, ValueError) as e:
+            raise SourceUnavailable(
+                f"could not fetch {len(stale)} source file(s) of {project} {version} from the release wheel on "
+                f"PyPI ({SIMPLE_INDEX}): {e}. These tests check exports against the engines' released code; "
+                f"run them once with PyPI reachable, or put the files under {dest}/ (or set "
+                "DRAFTFLOW_ENGINE_SOURCE to a folder holding <project>-<version>/<member path>)."
+            ) from None
+    return dest
+
+
+# ---------------------------------------------------------------- running released definitions
+
+ENGINE_PACKAGES = ("sglang", "vllm", "sgl_kernel")
+
+
+def _is_engine_import(node: ast.stmt) -> bool:
+    if isinstance(node, ast.ImportFrom):
+        return node.level > 0 or (node.module or "").split(".")[0] in ENGINE_PACKAGES
+    return any(a.name.split(".")[0] in ENGINE_PACKAGES for a in node.names)
+
+
+def load_defs(
+    path: Path,
+    names: list[str],
+    env: dict,
+    *,
+    optional: tuple[str, ...] = (),
+    strip_decorators: tuple[str, ...] = (),
+    type_checking: bool = False,
+) -> dict:
+    """Run, in `env`, the file's third-party imports (torch, typing, transformers …; one that
+    fails is left out) and then its top-level definitions named in `names` (classes, functions,
+    plain assignments), in file order, and with `type_checking` its top-level
+    `if TYPE_CHECKING: … else: …` blocks (which define base classes; TYPE_CHECKING = False).
+    `optional` names are run where the file has them (helpers one release has, another not).
+    Engine-internal imports, also those inside the kept definitions, are dropped: env supplies
+    those names. Decorators named in `strip_decorators` are dropped too. Annotations stay
+    unevaluated (PEP 563), so names used only in them need no stub. Returns env."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    wanted, found = set(names) | set(optional), set()
+    env.setdefault("TYPE_CHECKING", False)
+    # the module name classes get; dataclasses looks it up in sys.modules
+    env.setdefault("__name__", "released_engine_source")
+    sys.modules.setdefault("released_engine_source", types.ModuleType("released_engine_source"))
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if not _is_engine_import(node):
+                try:
+                    _run([node], path, env)
+                except ImportError:
+                    pass
+            continue
+        keep = False
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in wanted:
+            found.add(node.name)
+            keep = True
+            node.decorator_list = [d for d in node.decorator_list if _decorator_name(d) not in strip_decorators]
+        elif isinstance(node, ast.Assign) and {getattr(t, "id", None) for t in node.targets} & wanted:
+            found |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            keep = True
+        elif type_checking and isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            keep = True
+        if keep:
+            _run([_EngineImports().visit(node)], path, env)
+    if set(names) - found:
+        raise AssertionError(f"{path}: no top-level definition of {sorted(set(names) - found)}")
+    return env
+
+
+class _EngineImports(ast.NodeTransformer):
+    """Replaces engine imports inside a definition (e.g. a function-local `from vllm… import x`) by `pass`."""
+
+    def visit_Import(self, node):
+        return ast.copy_location(ast.Pass(), node) if _is_engine_import(node) else node
+
+    visit_ImportFrom = visit_Import
+
+
+def load_method(path: Path, class_name: str, method: str, env: dict) -> object:
+    """One method of a class of the file, as a plain function run in `env`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == method:
+                    item.decorator_list = []
+                    scope = dict(env)
+                    _run([item], path, scope)
+                    return scope[method]
+    raise AssertionError(f"{path}: no method {class_name}.{method}")
+
+
+def _decorator_name(node: ast.expr) -> str:
+    node = node.func if isinstance(node, ast.Call) else node
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+def _run(nodes: list[ast.stmt], path: Path, env: dict) -> None:
+    module = ast.Module(body=nodes, type_ignores=[])
+    exec(compile(module, str(path), "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True), env)
