@@ -61,9 +61,9 @@ def stand_ins(loads: Loads) -> dict:
 
     def default_weight_loader(param, loaded_weight, *shard):
         assert not shard, f"default_weight_loader got a shard id {shard}"
-        assert param.shape == loaded_weight.shape, (
-            f"Attempted to load weight ({tuple(loaded_weight.shape)}) into parameter ({tuple(param.shape)})"
-        )
+        assert (
+            param.shape == loaded_weight.shape
+        ), f"Attempted to load weight ({tuple(loaded_weight.shape)}) into parameter ({tuple(param.shape)})"
         param.data.copy_(loaded_weight)
         loads.record(param, None)
 
@@ -86,9 +86,9 @@ def stand_ins(loads: Loads) -> dict:
                 return default_weight_loader(param, loaded_weight)
             offset, rows = self.shards[shard_id]
             target = param.data.narrow(0, offset, rows)
-            assert target.shape == loaded_weight.shape, (
-                f"shard {shard_id!r}: weight {tuple(loaded_weight.shape)} into rows of shape {tuple(target.shape)}"
-            )
+            assert (
+                target.shape == loaded_weight.shape
+            ), f"shard {shard_id!r}: weight {tuple(loaded_weight.shape)} into rows of shape {tuple(target.shape)}"
             target.copy_(loaded_weight)
             loads.record(param, shard_id)
 
@@ -151,7 +151,9 @@ def stand_ins(loads: Loads) -> dict:
             self.inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
 
         def forward(self, positions, q, k):
-            return _neox_rope(positions, q, self.head, self.inv_freq), _neox_rope(positions, k, self.head, self.inv_freq)
+            return _neox_rope(positions, q, self.head, self.inv_freq), _neox_rope(
+                positions, k, self.head, self.inv_freq
+            )
 
     class LogitsProcessor:
         """Draft logits: hidden [T, H] @ lm_head.weight.T."""

@@ -266,7 +266,7 @@ def test_a_reordered_full_draft_vocab_is_refused_for_vllm(target, tmp_path, caps
     args = ["export", "--drafter", str(tmp_path / "drafter"), "--target", str(target[0]), "--settings", "{}",
             "--output-dir", str(tmp_path / "out")]  # fmt: skip
     assert cli_main(args) == 1
-    assert "reordered" in capsys.readouterr().err and not (tmp_path / "out" / "vllm" / "model.safetensors").exists()
+    assert "reordered" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
 def test_a_format_1_multi_layer_drafter_is_refused_with_the_reason(exports, target, tmp_path, capsys):
@@ -301,3 +301,12 @@ def test_import_drafter_round_trips_every_exported_shape_bit_exactly(exports, ta
     for key in ("num_hidden_layers", "hidden_size", "draft_vocab_size", "vocab_size", "rope_theta"):
         assert a[key] == b[key], key
     assert b["draftflow"]["aux_layer_ids"] == AUX[n_aux]
+
+
+@pytest.mark.parametrize("layers, n_aux", SHAPES)
+def test_the_vllm_names_map_back_to_the_drafters_bit_exactly(exports, layers, n_aux):
+    from draftflow.engines.export import tensors_from_vllm
+
+    folder, _ = exports(layers, n_aux)
+    back, original = tensors_from_vllm(tensors_of(folder / "float32" / "vllm")), tensors_of(folder / "drafter")
+    assert set(back) == set(original) and all(torch.equal(back[k], original[k]) for k in original)

@@ -190,10 +190,28 @@ def vllm_tensors(tensors: dict[str, torch.Tensor], cfg: Eagle3Config) -> dict[st
     if cfg.draft_vocab_size == cfg.vocab_size:
         if torch.any(out["d2t"] != 0):
             raise DraftflowError(
-                "the draft vocabulary is the whole target vocabulary but reordered (d2t is not all zeros); "
-                "vLLM 0.33 drafts over the target's own order then: retrain with a sorted draft vocabulary"
+                "the draft vocabulary is the whole target vocabulary, reordered (d2t not all zeros): vLLM 0.33 "
+                "keeps no draft-to-target map for a full draft vocabulary and would read the drafts in the "
+                "target's order; train with draftflow's vocab stage, which keeps target order"
             )
         del out["d2t"], out["t2d"]
+    return out
+
+
+def tensors_from_vllm(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `vllm_tensors` (for a speculators-format checkpoint: vLLM's layers i >= 1
+    compute with `input_layernorm` and never apply `hidden_norm`); d2t / t2d stay as they are."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        extra = parts[0] == "layers" and parts[1] != "0"
+        if extra and parts[2] == "hidden_norm":
+            continue
+        if extra and parts[2] == "input_layernorm":
+            name = name.replace(".input_layernorm.", ".hidden_norm.", 1)
+        elif name.startswith("layers.0."):
+            name = "midlayer." + name.removeprefix("layers.0.")
+        out[name] = t
     return out
 
 
@@ -327,9 +345,10 @@ def export_drafter(drafter_dir: Path, target: Path, settings: ExportSettings, ou
     manifest = {"drafter": str(drafter_dir), "target": str(target_path), "aux_layer_ids": list(cfg.aux_layer_ids),
                 "settings": asdict(settings)}  # fmt: skip
 
-    # Both translations first: a release the table cannot place refuses before anything is written.
+    # Translations and renames first: what an engine cannot serve refuses before anything is written.
     sg_ids = engine_aux_ids("sglang", settings.sglang_version, target_config, cfg.aux_layer_ids)
     vl_ids = engine_aux_ids("vllm", settings.vllm_version, target_config, cfg.aux_layer_ids)
+    vl_tensors = vllm_tensors(tensors, cfg)
     sg = output_dir / "sglang"
     sg.mkdir(parents=True, exist_ok=True)
     _save(sglang_tensors(tensors, cfg), sg / "model.safetensors")
@@ -339,7 +358,7 @@ def export_drafter(drafter_dir: Path, target: Path, settings: ExportSettings, ou
 
     vl = output_dir / "vllm"
     vl.mkdir(parents=True, exist_ok=True)
-    _save(vllm_tensors(tensors, cfg), vl / "model.safetensors")
+    _save(vl_tensors, vl / "model.safetensors")
     write_json(vl / "config.json", vllm_config(cfg, vl_ids.ids, target_config, target_path, steps, settings.dtype))
     _write_launch(vl / "launch.sh", vllm_launch(target_path, steps, tp, trust, settings.vllm_version))
     manifest["vllm"] = vl_ids.as_json()
