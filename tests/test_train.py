@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -201,7 +202,8 @@ def run_cli(world, out: Path, state: Path, extra: dict, torchrun: int = 0, wait:
         cmd = [sys.executable, "-m", "draftflow.cli", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if not wait:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -275,3 +277,46 @@ def test_resume_after_sigkill_continues_the_same_loss_curve(world, tmp_path):
     resumed = train_rows(tmp_path / "out")
     assert [r["step"] for r in resumed] == [r["step"] for r in reference]
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in reference], rtol=1e-5)
+
+
+def kill_after_checkpoint(proc, state: Path, step: int) -> int:
+    """SIGKILL the run (its whole process group) once a checkpoint of >= `step` is complete."""
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        latest = list(state.glob("run-*/latest.json"))
+        if latest and json.loads(latest[0].read_text())["step"] >= step:
+            # torchrun starts its workers in sessions of their own: kill the whole tree
+            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            for p in tree:
+                p.kill()
+            proc.wait()
+            psutil.wait_procs(tree, timeout=30)
+            return json.loads(latest[0].read_text())["step"]
+        time.sleep(0.01)
+    proc.wait()
+    raise AssertionError("the run finished before it could be killed")
+
+
+def test_a_two_process_run_killed_mid_run_resumes_on_one_process_with_the_same_global_batch(world, tmp_path):
+    """2 processes x grad_accum 1 and 1 process x grad_accum 2 take the same optimizer steps on the same
+    batches: a checkpoint of one resumes on the other and continues the uninterrupted curve (fp32 CPU,
+    only the reduction order differs: rtol 1e-5)."""
+    extra = {"epochs": 3, "save_every_steps": 3, "num_workers": 1}
+    run_inprocess(world, tmp_path / "ref", tmp_path / "ref-state", {**extra, "grad_accum": 2})
+    reference = train_rows(tmp_path / "ref")
+
+    state = tmp_path / "state"
+    proc = run_cli(world, tmp_path / "out", state, extra, torchrun=2, wait=False)
+    killed_at = kill_after_checkpoint(proc, state, 3)
+    assert killed_at < reference[-1]["step"]
+
+    # Another global batch is a different run: it starts afresh and says how to resume instead.
+    proc = run_cli(world, tmp_path / "other", state, {**extra, "epochs": 0.2})
+    assert "keep GPUs x train.grad_accum = 2 micro-batches per step (now 1 x 1)" in proc.stderr
+
+    proc = run_cli(world, tmp_path / "out", state, {**extra, "grad_accum": 2})
+    assert f"resuming from step {killed_at}" in proc.stderr
+    resumed = train_rows(tmp_path / "out")
+    assert [r["step"] for r in resumed] == [r["step"] for r in reference]
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in reference], rtol=1e-5)
+    assert json.loads((tmp_path / "out" / "eval.json").read_text())["world_size"] == 1

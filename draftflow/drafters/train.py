@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 # Settings that change how a run reports, not what it computes: left out of the fingerprint.
 OPERATIONAL = {"num_workers", "log_every_steps", "save_every_steps", "eval_every_steps", "compile"}
+# How the global batch is spread over processes: the fingerprint keeps only their product
+# (micro-batches per optimizer step), so a checkpoint resumes on another number of GPUs.
+PLACEMENT = {"gpus", "nodes", "grad_accum", "fsdp"}
 
 
 # ---------------------------------------------------------------- settings
@@ -108,7 +111,7 @@ class TrainSettings:
         return s
 
     def fingerprint_dict(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in OPERATIONAL}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in OPERATIONAL | PLACEMENT}
 
 
 # ---------------------------------------------------------------- data
@@ -578,13 +581,39 @@ def run_fingerprint(s: TrainSettings, world_size: int, train_ranges, eval_ranges
 
     description = {
         "settings": s.fingerprint_dict(),
-        "world_size": world_size,
+        # 2 GPUs x grad_accum 1 and 1 GPU x grad_accum 2 take the same steps on the same batches
+        "micro_batches_per_step": world_size * s.grad_accum,
+        # FSDP checkpoints hold sharding-aware optimizer state: they resume under FSDP only
+        "fsdp": s.fsdp and world_size > 1,
         "train": ranges(train_ranges),
         "eval": ranges(eval_ranges),
         "target": target_identity(target_dir),
         "vocab": _sha256_file(Path(vocab_path)),
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def warn_about_other_checkpoints(state_dir: Path, record: dict) -> None:
+    """A fresh start beside checkpoints of other runs: say what differs, so that a user who
+    only changed the number of GPUs sees how to resume (keep gpus x grad_accum)."""
+    for other in sorted(state_dir.glob("run-*/run.json")):
+        if CheckpointDir(other.parent).latest() is None:
+            continue
+        previous = read_json(other)
+        changed = [k for k in ("micro_batches_per_step", "fsdp") if previous.get(k) != record[k]]
+        changed += [
+            f"settings.{k}" for k, v in record["settings"].items()
+            if k not in OPERATIONAL and previous.get("settings", {}).get(k) != v
+        ]  # fmt: skip
+        hint = ""
+        if "micro_batches_per_step" in changed and previous.get("micro_batches_per_step"):
+            n = previous["micro_batches_per_step"]
+            hint = (f"; to resume it instead, keep GPUs x train.grad_accum = {n} micro-batches per step "
+                    f"(now {record['world_size']} x {record['settings']['grad_accum']})")  # fmt: skip
+        log.warning(
+            "starting a new training run although %s has a checkpoint of a different run (differs in: %s)%s",
+            other.parent, ", ".join(changed) or "data, target or vocabulary", hint,
+        )  # fmt: skip
 
 
 @dataclass
@@ -779,9 +808,12 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
     fp = run_fingerprint(s, env.world_size, inputs.train_ranges, inputs.eval_ranges, inputs.target, inputs.vocab)
     run_dir = Path(inputs.state_dir) / f"run-{fp}"
     if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
         record = {"fingerprint": fp, "settings": dataclasses.asdict(s), "world_size": env.world_size,
+                  "micro_batches_per_step": env.world_size * s.grad_accum, "fsdp": fsdp,
                   "train_ranges": [str(p) for p in inputs.train_ranges], "target": str(inputs.target)}  # fmt: skip
+        if CheckpointDir(run_dir).latest() is None:
+            warn_about_other_checkpoints(Path(inputs.state_dir), record)
+        run_dir.mkdir(parents=True, exist_ok=True)
         write_json(run_dir / "run.json", record)
     env.barrier()
     ckpt = CheckpointDir(run_dir)
@@ -872,6 +904,7 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
         ),
         "world_size": env.world_size,
         "fingerprint": fp,
+        "peak_gpu_memory_gib": peak_gpu_memory_gib(env),
     }
     state = gather_state(model, drafter, fsdp)
     if env.is_main:
@@ -883,6 +916,16 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
         log.info("final drafter in %s (simulated tau %s)", out, summary["simulated_acceptance_length"])
     env.barrier()
     return summary
+
+
+def peak_gpu_memory_gib(env: DistEnv) -> float | None:
+    """The largest peak of allocated GPU memory over all ranks (None on CPU)."""
+    if env.device.type != "cuda":
+        return None
+    peak = torch.tensor([torch.cuda.max_memory_allocated(env.device)], dtype=torch.float64, device=env.device)
+    if env.world_size > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return round(peak.item() / 2**30, 2)
 
 
 def _save_best(drafter: Eagle3Drafter, state: dict, folder: Path, summary: dict, step: int) -> None:
