@@ -11,14 +11,19 @@
 # Idempotent: a wheel already in .whl is kept; another version of the same package is
 # replaced (pip refuses two versions of one package in a single install).
 #
-# usage: scripts/fetch_bench_wheels.sh [DEST]      (default: .whl in the repo root)
+# usage: scripts/fetch_bench_wheels.sh [--set bench|workflow|all] [DEST]   (default: bench, .whl)
+#   bench     speculators' training path + the storage codec (bench/*_throughput.py, speculators_compare.py)
+#   workflow  Snakemake and what it needs beyond the image + the codec (bench/multi_gpu.py runs the
+#             real workflow there)
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
+set_name=bench
+if [ "${1:-}" = "--set" ]; then set_name="$2"; shift 2; fi
 dest="${1:-$repo/.whl}"
 mkdir -p "$dest"
 
-wheels=(
+bench_wheels=(
     # speculators' training path (speculators.train.cli / trainer / dataloader, models.eagle3)
     speculators==0.9.0
     hs-connectors==0.9.0          # hs_connectors.FileTransfer reads hidden_states/hs_{i}.safetensors
@@ -39,6 +44,36 @@ wheels=(
     # draftflow's storage codec (bench/train_throughput.py and the export)
     zstandard==0.25.0
 )
+
+# Snakemake 9.27.1's closure minus what the image already has (attrs, jinja2, numpy, pandas,
+# psutil, pyyaml, requests, tabulate, wrapt, ...): found by resolving snakemake's requirements
+# in the project's venv and dropping every name in the image's package list (KINDS.md).
+workflow_wheels=(
+    snakemake==9.27.1
+    snakemake-interface-common==1.23.0
+    snakemake-interface-executor-plugins==9.4.0
+    snakemake-interface-logger-plugins==2.1.0
+    snakemake-interface-report-plugins==1.3.0
+    snakemake-interface-scheduler-plugins==2.0.2
+    snakemake-interface-storage-plugins==4.4.1
+    annotated-types==0.8.0 argparse-dataclass==2.0.0 conda-inject==1.3.2 configargparse==1.9.0
+    docutils==0.22.4 dpath==2.2.0 fastjsonschema==2.22.3 gitdb==4.0.12 gitpython==3.2.1
+    greenlet==3.5.6 humanfriendly==10.0 immutables==0.21 jsonschema==4.26.0
+    jsonschema-specifications==2025.9.1 jupyter-core==5.9.1 nbformat==5.11.1 platformdirs==4.14.9
+    pulp==3.3.2 pydantic==2.14.4 pydantic-core==2.50.5 referencing==0.37.0 rpds-py==2026.9.1
+    smart-open==7.7.1 smmap==5.0.3 sqlalchemy==2.0.58 sqlmodel==0.0.37 tenacity==9.2.1
+    throttler==1.2.3 traitlets==5.16.1 typing-inspection==0.4.5 typing-extensions==4.16.0 yte==1.9.4
+    zstandard==0.25.0
+)
+# Published as a source distribution only: built here into a (pure-Python) wheel.
+workflow_sdists=(connection-pool==0.0.3)
+
+case "$set_name" in
+    bench) wheels=("${bench_wheels[@]}"); sdists=() ;;
+    workflow) wheels=("${workflow_wheels[@]}"); sdists=("${workflow_sdists[@]}") ;;
+    all) wheels=("${bench_wheels[@]}" "${workflow_wheels[@]}"); sdists=("${workflow_sdists[@]}") ;;
+    *) echo "unknown set $set_name (bench, workflow, all)" >&2; exit 2 ;;
+esac
 
 norm() { echo "$1" | tr 'A-Z-.' 'a-z__'; }  # wheel file names: lower case, '-' and '.' as '_'
 
@@ -72,9 +107,16 @@ for spec in "${wheels[@]}"; do
     fetched=$((fetched + 1))
 done
 
+for spec in "${sdists[@]}"; do
+    want="$(norm "${spec%%==*}")-${spec##*==}-"
+    ls "$dest" | grep -qi "^$want" && continue
+    python3 -m pip wheel -q --no-deps -w "$dest" "$spec" 2> >(grep -v "^WARNING: Location" >&2)
+    fetched=$((fetched + 1))
+done
+
 total=$(du -cb "$dest"/*.whl | tail -1 | cut -f1)
 echo "$fetched downloaded; $(ls "$dest"/*.whl | wc -l) wheels in $dest, $((total / 1024)) KiB"
-if [ "$total" -gt $((40 * 1024 * 1024)) ]; then
-    echo "error: $dest holds more than 40 MB; the working tree that travels to the device is capped at 64 MiB" >&2
+if [ "$total" -gt $((56 * 1024 * 1024)) ]; then
+    echo "error: $dest holds more than 56 MB; the working tree that travels to the device is capped at 64 MiB" >&2
     exit 1
 fi
