@@ -18,8 +18,9 @@ from pathlib import Path
 from draftflow.errors import DraftflowError, where
 from draftflow.jsonl import atomic_path, read_json, read_jsonl
 
-KINDS = ("lengths", "storage", "training", "acceptance")
-COLORS = {"eagle3": "tab:blue", "ngram": "tab:orange", "simulated": "tab:green"}
+KINDS = ("lengths", "storage", "training", "acceptance", "methods")
+COLORS = {"eagle3": "tab:blue", "dflash": "tab:red", "ngram": "tab:orange", "simulated": "tab:green"}
+NAMES = {"eagle3": "EAGLE-3", "dflash": "DFlash", "ngram": "n-gram"}
 
 
 def _pyplot():
@@ -124,15 +125,15 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
 
 
 def plot_training(metrics: Path, output: Path) -> None:
-    """Left: TTT loss (train and held-out) per optimizer step. Right: accuracy of each TTT step
-    (step k predicts the (k+1)-th token ahead), train lines and held-out markers."""
+    """Left: loss (train and held-out) per optimizer step. Right: accuracy of each TTT step / DFlash
+    block row (k predicts the k-th token ahead), train lines and held-out markers."""
     plt = _pyplot()
     train, evals = read_metrics(metrics)
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
     for rows, style, label in ((train, "-", "train"), (evals, "o--", "held-out")):
         if rows:
             loss_ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], style, label=label)
-    loss_ax.set(xlabel="optimizer step", ylabel="TTT loss (step-weighted)", title="Loss")
+    loss_ax.set(xlabel="optimizer step", ylabel="loss (weighted over TTT steps / block rows)", title="Loss")
     loss_ax.legend()
     steps = len((train or evals)[0]["step_accuracy"])
     cmap = plt.get_cmap("viridis")
@@ -154,24 +155,32 @@ def plot_training(metrics: Path, output: Path) -> None:
 # ---------------------------------------------------------------- acceptance
 
 
-def plot_acceptance(acceptance: Path, output: Path) -> None:
-    """Left: conditional acceptance α_k per draft position at the largest K, real EAGLE-3, real
-    n-gram and simulated. Right: acceptance length τ per K, with the K+1 ceiling."""
-    plt = _pyplot()
+def _read_acceptance(acceptance: Path) -> tuple[dict, str, list[int]]:
+    """(report, drafter method, sorted K) of a `draftflow evaluate` output."""
     report = read_json(acceptance)
+    method = report.get("method", "eagle3")
     try:
-        ks = sorted(int(k) for k in report["eagle3"])
-        sim = report["simulated"]
+        ks = sorted(int(k) for k in report[method])
+        report["simulated"], report["ngram"]
     except KeyError as e:
         raise DraftflowError(f"{acceptance}: field {e.args[0]!r} missing; not a `draftflow evaluate` output") from None
+    return report, method, ks
+
+
+def plot_acceptance(acceptance: Path, output: Path) -> None:
+    """Left: conditional acceptance α_k per draft position at the largest K, real drafter, real
+    n-gram and simulated. Right: acceptance length τ per K, with the K+1 ceiling."""
+    plt = _pyplot()
+    report, method, ks = _read_acceptance(acceptance)
+    sim, name_of = report["simulated"], NAMES[method]
     k_max = str(ks[-1])
     fig, (alpha_ax, tau_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, alpha, style in (
-        ("eagle3", report["eagle3"][k_max]["alpha"], "o-"),
+        (method, report[method][k_max]["alpha"], "o-"),
         ("ngram", report["ngram"][k_max]["alpha"], "s-"),
         ("simulated", sim["alpha"], "^--"),
     ):
-        label = {"eagle3": "EAGLE-3 (real)", "ngram": "n-gram (real)", "simulated": "EAGLE-3 (simulated)"}[name]
+        label = {method: f"{name_of} (real)", "ngram": "n-gram (real)", "simulated": f"{name_of} (simulated)"}[name]
         alpha_ax.plot(range(1, len(alpha) + 1), alpha, style, color=COLORS[name], label=label)
     alpha_ax.set(xlabel="draft position k", ylabel="α_k = P(accept k | accepted < k)", ylim=(0, 1.02),
                  title=f"Per-position acceptance, K = {k_max}")  # fmt: skip
@@ -179,19 +188,44 @@ def plot_acceptance(acceptance: Path, output: Path) -> None:
     alpha_ax.legend()
     width = 0.38
     x = range(len(ks))
-    for offset, name in ((-width / 2, "eagle3"), (width / 2, "ngram")):
+    for offset, name in ((-width / 2, method), (width / 2, "ngram")):
         taus = [report[name][str(k)]["acceptance_length"] for k in ks]
-        rects = tau_ax.bar([i + offset for i in x], taus, width, color=COLORS[name],
-                           label="EAGLE-3" if name == "eagle3" else "n-gram")  # fmt: skip
+        rects = tau_ax.bar([i + offset for i in x], taus, width, color=COLORS[name], label=NAMES[name])
         tau_ax.bar_label(rects, labels=[f"{t:.2f}" for t in taus], fontsize=8)
     if sim["draft_tokens"] in ks:  # simulated τ next to the real one at the same K
         x_sim, tau_sim = ks.index(sim["draft_tokens"]) - width / 2, sim["acceptance_length"]
-        label = f"EAGLE-3 simulated ({tau_sim:.2f})"
+        label = f"{name_of} simulated ({tau_sim:.2f})"
         tau_ax.scatter([x_sim], [tau_sim], marker="^", zorder=3, color=COLORS["simulated"], label=label)
     tau_ax.scatter(list(x), [k + 1 for k in ks], marker="_", s=400, color="black", label="ceiling K+1")
     tau_ax.set_xticks(list(x), [f"K = {k}" for k in ks])
     tau_ax.set(ylabel="τ (tokens per verify step)", title="Acceptance length")
     tau_ax.legend(fontsize=8)
+    _save(fig, output)
+
+
+def plot_methods(acceptances: list[Path], output: Path) -> None:
+    """The drafter methods side by side on the same prompts: real τ per K (bars; n-gram once, as
+    the model-free baseline) and each method's simulated τ at its own K (markers)."""
+    plt = _pyplot()
+    reports = [_read_acceptance(path) for path in acceptances]
+    ks = sorted({k for _, _, method_ks in reports for k in method_ks})
+    names = [method for _, method, _ in reports] + ["ngram"]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(ks) * len(names) / 2), 4.2))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        report = reports[i][0] if i < len(reports) else reports[0][0]
+        offset = (i - (len(names) - 1) / 2) * width
+        present = [j for j, k in enumerate(ks) if str(k) in report[name]]
+        taus = [report[name][str(ks[j])]["acceptance_length"] for j in present]
+        rects = ax.bar([j + offset for j in present], taus, width, color=COLORS[name], label=f"{NAMES[name]} (real)")
+        ax.bar_label(rects, labels=[f"{t:.2f}" for t in taus], fontsize=7)
+        if i < len(reports) and report["simulated"]["draft_tokens"] in ks:
+            j, tau_sim = ks.index(report["simulated"]["draft_tokens"]), report["simulated"]["acceptance_length"]
+            ax.scatter([j + offset], [tau_sim], marker="^", zorder=3, color="black",
+                       label="simulated (teacher-forced)" if i == 0 else None)  # fmt: skip
+    ax.set_xticks(range(len(ks)), [f"K = {k}" for k in ks])
+    ax.set(ylabel="τ (tokens per verify step)", title="Drafter methods on the same prompts")
+    ax.legend(fontsize=8)
     _save(fig, output)
 
 
@@ -202,6 +236,7 @@ REQUIRED = {
     "storage": ("plan", "data_config"),
     "training": ("metrics",),
     "acceptance": ("acceptance",),
+    "methods": ("acceptance",),
 }
 
 
@@ -214,7 +249,8 @@ def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
     parser.add_argument("--plan", type=Path, help="storage: storage_plan.json")
     parser.add_argument("--data-config", type=Path, help="storage: hidden-state data_config.json")
     parser.add_argument("--metrics", type=Path, help="training: the drafter's metrics.jsonl")
-    parser.add_argument("--acceptance", type=Path, help="acceptance: acceptance.json")
+    parser.add_argument("--acceptance", type=Path, nargs="+",
+                        help="acceptance: acceptance.json; methods: one acceptance.json per drafter method")  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
@@ -227,6 +263,10 @@ def main(args: argparse.Namespace) -> int:
         plot_storage(args.plan, args.data_config, args.output)
     elif args.kind == "training":
         plot_training(args.metrics, args.output)
+    elif args.kind == "acceptance":
+        if len(args.acceptance) != 1:
+            raise DraftflowError("plot --kind acceptance takes one --acceptance file (--kind methods compares several)")
+        plot_acceptance(args.acceptance[0], args.output)
     else:
-        plot_acceptance(args.acceptance, args.output)
+        plot_methods(args.acceptance, args.output)
     return 0

@@ -39,6 +39,7 @@ BUILTIN_TARGET = "builtin:tiny-llama"
 
 
 wildcard_constraints:
+    method=r"eagle3|dflash",
     dataset=r"[A-Za-z0-9][A-Za-z0-9_-]*",
     shard=r"\d+",
     split=r"train|eval",
@@ -205,11 +206,14 @@ def extract_settings(wildcards) -> str:
     """Everything a range's captures depend on, plus the range's own content digest:
     a range is stale exactly when one of these changes."""
     settings = dict(config["extract"])
-    settings["aux_layer_ids"] = resolved_aux_layer_ids()
+    settings["aux_layer_ids"] = captured_layer_ids()
     settings["trust_remote_code"] = config["target"]["trust_remote_code"]
     settings["target_identity"] = target_identity()
     settings["range_digest"] = range_of(wildcards)["digest"]
     return as_settings(settings)
+
+
+METHODS = config["train"]["methods"]
 
 
 def final_outputs() -> list:
@@ -217,14 +221,18 @@ def final_outputs() -> list:
         f"{RESULTS}/merged/manifest.json",
         f"{RESULTS}/merged/storage_plan.json",
         f"{RESULTS}/hidden_states/data_config.json",
-        f"{RESULTS}/drafter",
-        f"{RESULTS}/eval/acceptance.json",
-        f"{RESULTS}/export/export.json",
-        *(
-            f"{RESULTS}/plots/{kind}.png"
-            for kind in ("lengths", "storage", "training", "acceptance")
-        ),
+        f"{RESULTS}/plots/lengths.png",
+        f"{RESULTS}/plots/storage.png",
+        f"{RESULTS}/plots/methods.png",
     ]
+    for method in METHODS:
+        outputs += [
+            f"{RESULTS}/drafter/{method}",
+            f"{RESULTS}/eval/{method}/acceptance.json",
+            f"{RESULTS}/export/{method}/export.json",
+            f"{RESULTS}/plots/{method}/training.png",
+            f"{RESULTS}/plots/{method}/acceptance.png",
+        ]
     return outputs
 
 
@@ -241,8 +249,63 @@ def resolved_aux_layer_ids():
         raise WorkflowError(f"extract.aux_layer_ids: {e}") from None
 
 
-def train_settings() -> dict:
-    return {**config["train"], "aux_layer_ids": resolved_aux_layer_ids()}
+def dflash_layer_ids():
+    """train.dflash.target_layer_ids resolved: null = the layers extraction stores anyway,
+    spread = DFlash's own layout for this target, or the list (checked against the target)."""
+    from draftflow.drafters.dflash import spread_target_layer_ids
+    from draftflow.hidden_states.plan import resolve_aux_layer_ids
+
+    dflash = config["train"]["dflash"]
+    ids, num_layers = dflash["target_layer_ids"], num_target_layers()
+    if ids is None:
+        return resolved_aux_layer_ids()
+    if num_layers is None:  # a dry-run of a config whose model is not there yet
+        return None if ids == "spread" else ids
+    try:
+        if ids == "spread":
+            return spread_target_layer_ids(num_layers, dflash["num_hidden_layers"])
+        ids = resolve_aux_layer_ids(ids, num_layers)
+    except DraftflowError as e:
+        raise WorkflowError(f"train.dflash.target_layer_ids: {e}") from None
+    if ids != sorted(ids):
+        raise WorkflowError(
+            f"train.dflash.target_layer_ids {ids} must be increasing: engines concatenate captured layers in layer order"
+        )
+    return ids
+
+
+def method_layer_ids(method: str):
+    """The stored aux layers a drafter method reads."""
+    return dflash_layer_ids() if method == "dflash" else resolved_aux_layer_ids()
+
+
+def captured_layer_ids():
+    """What extraction captures: EAGLE-3's layers (extract.aux_layer_ids) plus DFlash's when set
+    explicitly, whichever methods this run trains, so that toggling train.methods never changes
+    what is stored (samples are keyed by their captured layers)."""
+    aux = resolved_aux_layer_ids()
+    if config["train"]["dflash"]["target_layer_ids"] is None or aux is None:
+        return aux
+    extra = dflash_layer_ids()
+    return aux if extra is None else sorted(set(aux) | set(extra))
+
+
+def train_settings(method: str) -> dict:
+    """The `train` subtree for one method: shared keys, the method, the layers it reads; DFlash
+    also gets its own subtree (EAGLE-3's stays as it was before methods existed)."""
+    settings = {k: v for k, v in config["train"].items() if k not in ("methods", "dflash")}
+    settings["aux_layer_ids"] = method_layer_ids(method)
+    if method == "dflash":
+        settings["method"] = method
+        settings["dflash"] = {
+            k: v for k, v in config["train"]["dflash"].items() if k != "target_layer_ids"
+        }
+    return settings
+
+
+def vocab_input(method: str) -> list:
+    """EAGLE-3 drafts over its draft vocabulary; DFlash over the target's whole vocabulary."""
+    return [] if method == "dflash" else [f"{RESULTS}/vocab/draft_vocab.safetensors"]
 
 
 def train_resources() -> dict:

@@ -1,19 +1,20 @@
-# Acceptance length, servable exports, and the report's figures.
+# Acceptance length, servable exports, and the report's figures, per drafter method; the
+# methods compared in one figure.
 
 
 rule evaluate:
     input:
-        drafter=f"{RESULTS}/drafter",
+        drafter=f"{RESULTS}/drafter/{{method}}",
         eval_ranges=lambda w: range_dirs("eval"),
         eval_data=f"{RESULTS}/merged/eval.jsonl",
         target=target_input(),
     output:
-        json=f"{RESULTS}/eval/acceptance.json",
-        csv=f"{RESULTS}/eval/acceptance.csv",
+        json=f"{RESULTS}/eval/{{method}}/acceptance.json",
+        csv=f"{RESULTS}/eval/{{method}}/acceptance.csv",
     log:
-        f"{LOGS}/evaluate.log",
+        f"{LOGS}/evaluate/{{method}}.log",
     benchmark:
-        f"{BENCH}/evaluate.tsv"
+        f"{BENCH}/evaluate/{{method}}.tsv"
     conda:
         CONDA_ENV
     threads: 4
@@ -21,7 +22,7 @@ rule evaluate:
         gpu=min(1, config["extract"]["gpus_per_job"]),
     params:
         settings=lambda w: as_settings(
-            {**config["evaluate"], "aux_layer_ids": resolved_aux_layer_ids()}
+            {**config["evaluate"], "aux_layer_ids": method_layer_ids(w.method)}
         ),
         target=lambda w: target_dir(),
         out_dir=lambda w, output: os.path.dirname(output.json),
@@ -33,19 +34,19 @@ rule evaluate:
 
 rule export:
     input:
-        drafter=f"{RESULTS}/drafter",
+        drafter=f"{RESULTS}/drafter/{{method}}",
         target=target_input(),
     output:
-        sglang=directory(f"{RESULTS}/export/sglang"),
-        vllm=directory(f"{RESULTS}/export/vllm"),
-        summary=f"{RESULTS}/export/export.json",
+        sglang=directory(f"{RESULTS}/export/{{method}}/sglang"),
+        vllm=directory(f"{RESULTS}/export/{{method}}/vllm"),
+        summary=f"{RESULTS}/export/{{method}}/export.json",
     log:
-        f"{LOGS}/export.log",
+        f"{LOGS}/export/{{method}}.log",
     conda:
         CONDA_ENV
     params:
         settings=lambda w: as_settings(
-            {**config["export"], "aux_layer_ids": resolved_aux_layer_ids()}
+            {**config["export"], "aux_layer_ids": method_layer_ids(w.method)}
         ),
         target=lambda w: target_dir(),
         out_dir=lambda w, output: os.path.dirname(output.summary),
@@ -95,15 +96,16 @@ rule plot_storage:
 
 rule plot_training:
     input:
-        drafter=f"{RESULTS}/drafter",
+        drafter=f"{RESULTS}/drafter/{{method}}",
     output:
         report(
-            f"{RESULTS}/plots/training.png",
+            f"{RESULTS}/plots/{{method}}/training.png",
             caption="../report/training.rst",
             category="3. Training",
+            subcategory="{method}",
         ),
     log:
-        f"{LOGS}/plots/training.log",
+        f"{LOGS}/plots/{{method}}/training.log",
     conda:
         CONDA_ENV
     shell:
@@ -113,17 +115,36 @@ rule plot_training:
 
 rule plot_acceptance:
     input:
-        acceptance=f"{RESULTS}/eval/acceptance.json",
+        acceptance=f"{RESULTS}/eval/{{method}}/acceptance.json",
     output:
         report(
-            f"{RESULTS}/plots/acceptance.png",
+            f"{RESULTS}/plots/{{method}}/acceptance.png",
             caption="../report/acceptance.rst",
             category="4. Acceptance",
+            subcategory="{method}",
         ),
     log:
-        f"{LOGS}/plots/acceptance.log",
+        f"{LOGS}/plots/{{method}}/acceptance.log",
     conda:
         CONDA_ENV
     shell:
         "draftflow plot --kind acceptance --acceptance {input.acceptance}"
+        " --output {output} > {log} 2>&1"
+
+
+rule plot_methods:
+    input:
+        acceptance=expand(f"{RESULTS}/eval/{{method}}/acceptance.json", method=METHODS),
+    output:
+        report(
+            f"{RESULTS}/plots/methods.png",
+            caption="../report/methods.rst",
+            category="4. Acceptance",
+        ),
+    log:
+        f"{LOGS}/plots/methods.log",
+    conda:
+        CONDA_ENV
+    shell:
+        "draftflow plot --kind methods --acceptance {input.acceptance}"
         " --output {output} > {log} 2>&1"

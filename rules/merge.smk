@@ -43,7 +43,7 @@ rule plan_storage:
     params:
         settings=lambda w: as_settings(
             {
-                "aux_layer_ids": resolved_aux_layer_ids(),
+                "aux_layer_ids": captured_layer_ids(),
                 "dtype": config["extract"]["dtype"],
                 "expected_compression_ratio": config["extract"][
                     "expected_compression_ratio"

@@ -1,4 +1,5 @@
-# Draft vocabulary and drafter training (torchrun; resume state outside the outputs).
+# Draft vocabulary and drafter training (torchrun; resume state outside the outputs), one
+# drafter per method of train.methods, all from the same extracted ranges.
 
 
 rule vocab:
@@ -24,27 +25,32 @@ rule train:
     input:
         train=lambda w: range_dirs("train"),
         eval=lambda w: range_dirs("eval"),
-        vocab=f"{RESULTS}/vocab/draft_vocab.safetensors",
+        vocab=lambda w: vocab_input(w.method),
         target=target_input(),
     output:
-        directory(f"{RESULTS}/drafter"),
+        directory(f"{RESULTS}/drafter/{{method}}"),
     log:
-        f"{LOGS}/train.log",
+        f"{LOGS}/train/{{method}}.log",
     benchmark:
-        f"{BENCH}/train.tsv"
+        f"{BENCH}/train/{{method}}.tsv"
     conda:
         CONDA_ENV
     threads: 8
     resources:
         **train_resources(),
     params:
-        settings=lambda w: as_settings(train_settings()),
+        settings=lambda w: as_settings(train_settings(w.method)),
         target=lambda w: target_dir(),
+        method_args=lambda w, input: (
+            f"--tokenizer {tokenizer_dir()}"
+            if w.method == "dflash"
+            else f"--vocab {input.vocab}"
+        ),
         state=f"{STATE}/train",
         nodes=config["train"]["nodes"],
         gpus=config["train"]["gpus"],
     shell:
         "draftflow launch-train --nodes {params.nodes} --gpus-per-node {params.gpus} --"
         " --train-ranges {input.train} --eval-ranges {input.eval} --target {params.target}"
-        " --vocab {input.vocab} --settings {params.settings:q} --state-dir {params.state}"
+        " {params.method_args} --settings {params.settings:q} --state-dir {params.state}"
         " --output {output} > {log} 2>&1"

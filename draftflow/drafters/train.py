@@ -1,4 +1,5 @@
-"""`draftflow train`: train the EAGLE-3 drafter on extracted hidden states (DESIGN.md §3).
+"""`draftflow train`: train a drafter on extracted hidden states: EAGLE-3 (DESIGN.md §3) or
+DFlash (`draftflow.drafters.dflash`), chosen by the settings' `method`.
 
 Runs as a plain process (one CPU or GPU) or under torchrun (DDP; FSDP optional), gloo on CPU.
 
@@ -12,6 +13,11 @@ how it is spread over processes, and the loss is normalized by the global loss-t
 State: checkpoints (model, optimizer, scheduler, data position, RNG) live in
 `--state-dir/run-<fingerprint>/`, outside the rule's outputs: a killed run resumes from the
 latest checkpoint, while a run with other settings or data starts afresh in its own folder.
+
+Methods: both read the same range folders through the same reader; each selects the stored aux
+layers it needs by id (a range may store more), so one extraction serves both. EAGLE-3 runs the
+training-time test (`ttt`); DFlash trains anchored blocks (`dflash_loss`), whose anchors the data
+loader draws (seeded by the batch's content, the seed and the epoch: a resume redraws them).
 
 Output (`--output DIR`): config.json + model.safetensors (the SGLang layout, no embedding),
 metrics.jsonl (one row per logged step and per evaluation) and eval.json (final held-out
@@ -31,6 +37,7 @@ import os
 import random
 import shutil
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -40,6 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from draftflow.drafters.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
+from draftflow.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashSettings, loss_decay
 from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from draftflow.errors import DraftflowError, reject_unknown_keys, where
 from draftflow.jsonl import atomic_path, fsync_dir, read_json, write_json
@@ -53,6 +62,7 @@ OPERATIONAL = {"num_workers", "log_every_steps", "save_every_steps", "eval_every
 # How the global batch is spread over processes: the fingerprint keeps only their product
 # (micro-batches per optimizer step), so a checkpoint resumes on another number of GPUs.
 PLACEMENT = {"gpus", "nodes", "grad_accum", "fsdp"}
+METHODS = ("eagle3", "dflash")
 
 
 # ---------------------------------------------------------------- settings
@@ -85,6 +95,8 @@ class TrainSettings:
     fsdp: bool = False
     compile: bool | str = "auto"  # torch.compile norms, MLPs and the loss: "auto" = on CUDA only
     grad_accum: int = 1  # micro-batches per rank per optimizer step
+    method: str = "eagle3"  # eagle3 | dflash
+    dflash: dict | None = None  # config `train.dflash` (method dflash)
 
     @classmethod
     def from_dict(cls, settings: dict) -> "TrainSettings":
@@ -93,7 +105,11 @@ class TrainSettings:
         if "aux_layer_ids" not in settings:
             raise DraftflowError("train --settings: 'aux_layer_ids' is required (the extracted aux layers, in order)")
         values = dict(settings, aux_layer_ids=tuple(int(i) for i in settings["aux_layer_ids"]))
+        if values.get("method", "eagle3") not in METHODS:
+            raise DraftflowError(f"train --settings: 'method' must be one of {list(METHODS)}, got {values['method']!r}")
         s = cls(**values)
+        if s.method == "dflash":
+            s.dflash_settings  # validates
         if list(s.aux_layer_ids) != sorted(set(s.aux_layer_ids)):
             raise DraftflowError(
                 f"train --settings: 'aux_layer_ids' {list(s.aux_layer_ids)} must be strictly increasing: "
@@ -111,7 +127,24 @@ class TrainSettings:
         return s
 
     def fingerprint_dict(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in OPERATIONAL | PLACEMENT}
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in OPERATIONAL | PLACEMENT}
+        if self.method == "eagle3":  # as before methods existed: EAGLE-3 resume state stays valid
+            out.pop("method"), out.pop("dflash")
+        return out
+
+    @property
+    def dflash_settings(self) -> DFlashSettings:
+        return DFlashSettings.from_dict(self.dflash)
+
+    @property
+    def stat_steps(self) -> int:
+        """Columns of the training statistics: TTT steps, or the drafting rows of a DFlash block."""
+        return self.dflash_settings.block_size - 1 if self.method == "dflash" else self.ttt_steps
+
+    @property
+    def loss_decay(self) -> float:
+        """Weight ratio of consecutive steps / block rows in the loss (for `ttt.summarize`)."""
+        return loss_decay(self.dflash_settings.loss_decay_gamma) if self.method == "dflash" else self.step_weight_decay
 
 
 # ---------------------------------------------------------------- data
@@ -125,39 +158,71 @@ class Batch:
     loss_mask: torch.Tensor  # [B, T] bool
     aux: torch.Tensor  # [B, T, n_aux*H], stored dtype
     final: torch.Tensor  # [B, T, H], stored dtype
-    step_tokens: torch.Tensor  # [ttt_steps] int64: loss tokens per TTT step (for global normalization)
+    step_tokens: torch.Tensor  # [steps] int64: loss tokens per TTT step / block row (for global normalization)
     tokens: int  # real (unpadded) tokens
+    anchors: torch.Tensor | None = None  # [B, n] int64 DFlash block anchors, -1: padding
+
+    def _tensors(self) -> list[str]:
+        return [k for k in _TENSORS if getattr(self, k) is not None]
 
     def pin_memory(self) -> "Batch":
-        return dataclasses.replace(self, **{k: getattr(self, k).pin_memory() for k in _TENSORS})
+        return dataclasses.replace(self, **{k: getattr(self, k).pin_memory() for k in self._tensors()})
 
     def to(self, device, non_blocking: bool = True) -> "Batch":
         return dataclasses.replace(
-            self, **{k: getattr(self, k).to(device, non_blocking=non_blocking) for k in _TENSORS}
+            self, **{k: getattr(self, k).to(device, non_blocking=non_blocking) for k in self._tensors()}
         )
 
+    def extra(self) -> tuple:
+        """Method-specific arguments of the objective after the normalizer (DFlash: anchors)."""
+        return () if self.anchors is None else (self.anchors,)
 
-_TENSORS = ("input_ids", "loss_mask", "aux", "final", "step_tokens")
+
+_TENSORS = ("input_ids", "loss_mask", "aux", "final", "step_tokens", "anchors")
 
 
-def collate(samples: list, ttt_steps: int) -> Batch:
-    """storage.Sample list -> Batch, padded to the longest sample."""
+@dataclass(frozen=True)
+class AnchorPlan:
+    """How the data loader draws DFlash anchors: at random per (seed, epoch, batch content), or
+    evenly spaced (epoch None: evaluation)."""
+
+    block_size: int
+    per_sample: int
+    seed: int = 0
+    epoch: int | None = None
+
+
+def collate(samples: list, ttt_steps: int, layers: Sequence[int] | None = None, anchors: AnchorPlan | None = None) -> Batch:
+    """storage.Sample list -> Batch, padded to the longest sample. layers: which stored aux layers
+    (indexes into the stored order) the drafter reads, default all; anchors: draw DFlash anchors
+    (then `step_tokens` counts each block row's labels)."""
     B, T = len(samples), max(s.input_ids.shape[0] for s in samples)
     first = samples[0].hidden  # [T, L, H]
     L, H = first.shape[1], first.shape[2]
+    layers = list(range(L - 1)) if layers is None else list(layers)
     ids = torch.zeros(B, T, dtype=torch.int64)
     mask = torch.zeros(B, T, dtype=torch.bool)
-    aux = torch.zeros(B, T, (L - 1) * H, dtype=first.dtype)
+    aux = torch.zeros(B, T, len(layers) * H, dtype=first.dtype)
     final = torch.zeros(B, T, H, dtype=first.dtype)
     for b, s in enumerate(samples):
         n = s.input_ids.shape[0]
         ids[b, :n] = torch.from_numpy(s.input_ids)
         mask[b, :n] = torch.from_numpy(s.loss_mask.astype(bool))
-        aux[b, :n] = s.aux.reshape(n, -1)
+        sample_aux = s.aux if layers == list(range(L - 1)) else s.aux[:, layers]
+        aux[b, :n] = sample_aux.reshape(n, -1)
         final[b, :n] = s.final
-    return Batch(
-        ids, mask, aux, final, step_token_counts(mask, ttt_steps), int(sum(s.input_ids.shape[0] for s in samples))
-    )
+    tokens = int(sum(s.input_ids.shape[0] for s in samples))
+    if anchors is None:
+        return Batch(ids, mask, aux, final, step_token_counts(mask, ttt_steps), tokens)
+    from draftflow.drafters.dflash_loss import block_label_counts, choose_anchors, pad_anchors
+
+    rng = None
+    if anchors.epoch is not None:
+        content = zlib.crc32(b"".join(s.input_ids.tobytes() for s in samples))
+        rng = np.random.default_rng([anchors.seed, anchors.epoch, content])
+    chosen = pad_anchors([choose_anchors(s.loss_mask, anchors.per_sample, rng) for s in samples])
+    counts = block_label_counts(mask, chosen, anchors.block_size)
+    return Batch(ids, mask, aux, final, counts, tokens, chosen)
 
 
 class SampleDataset(torch.utils.data.Dataset):
@@ -238,15 +303,23 @@ def plan_epochs(lengths: np.ndarray, s: TrainSettings, world_size: int) -> list[
     return plans
 
 
-def make_loader(reader, batch_lists: list[list[int]], s: TrainSettings, device: torch.device):
-    """DataLoader over fixed micro-batches: worker processes decode, the main process pins."""
+def make_loader(
+    reader, batch_lists: list[list[int]], s: TrainSettings, device: torch.device,
+    layers: Sequence[int] | None = None, epoch: int | None = None,
+):  # fmt: skip
+    """DataLoader over fixed micro-batches: worker processes decode, the main process pins.
+    layers: the stored aux layers to read (`reader_layers`); epoch: of training (None: evaluation)."""
     from functools import partial
 
     workers = s.num_workers
+    anchors = None
+    if s.method == "dflash":
+        d = s.dflash_settings
+        anchors = AnchorPlan(d.block_size, d.anchors_per_sample, s.seed, epoch)
     return torch.utils.data.DataLoader(
         SampleDataset(reader),
         batch_sampler=batch_lists,
-        collate_fn=partial(collate, ttt_steps=s.ttt_steps),
+        collate_fn=partial(collate, ttt_steps=s.ttt_steps, layers=layers, anchors=anchors),
         num_workers=workers,
         pin_memory=device.type == "cuda",
         prefetch_factor=4 if workers else None,
@@ -334,8 +407,49 @@ def build_drafter(
     return drafter, TargetHead(tensors["lm_head"], torch.from_numpy(vocab.t2d)), cfg
 
 
+def _load_tokenizer(path: Path | None):
+    """The target's tokenizer when the folder has one (DFlash picks its mask token from it)."""
+    if path is None or not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def build_dflash(
+    s: TrainSettings, target_dir: Path, tokenizer_dir: Path | None = None, embed_dtype: torch.dtype = torch.float32
+):
+    """A fresh DFlash drafter (seeded) with the target's frozen embedding and LM head, plus the
+    target's greedy-token head for the labels."""
+    from draftflow.drafters.dflash import resolve_mask_token
+    from draftflow.drafters.dflash_loss import ArgmaxHead
+    from draftflow.target import target_identity
+
+    d = s.dflash_settings
+    tcfg = _target_config(target_dir)
+    vocab_size = int((tcfg.get("text_config") or tcfg).get("vocab_size"))
+    mask_id, mask_token = resolve_mask_token(_load_tokenizer(tokenizer_dir or target_dir), vocab_size, d.mask_token_id)
+    cfg = DFlashConfig.from_target(
+        tcfg, num_hidden_layers=d.num_hidden_layers, target_layer_ids=list(s.aux_layer_ids), block_size=d.block_size,
+        mask_token_id=mask_id, mask_token=mask_token, target=target_identity(target_dir),
+        target_path=str(Path(target_dir).resolve()),
+    )  # fmt: skip
+    cfg.extra["labels"] = d.labels
+    torch.manual_seed(s.seed)
+    drafter = DFlashDrafter(cfg)
+    tensors = load_target_tensors(target_dir)
+    if tuple(tensors["embed"].shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise DraftflowError(
+            f"{target_dir}: embedding shape {tuple(tensors['embed'].shape)} does not match config.json"
+        )
+    drafter.set_target(tensors["embed"].to(embed_dtype), tensors["lm_head"].to(embed_dtype))
+    log.info("DFlash: %d layers, block %d, target layers %s, mask token %d (%s)", cfg.num_hidden_layers,
+             cfg.block_size, cfg.target_layer_ids, mask_id, mask_token)  # fmt: skip
+    return drafter, ArgmaxHead(tensors["lm_head"]), cfg
+
+
 def save_drafter(
-    drafter: Eagle3Drafter,
+    drafter: Eagle3Drafter | DFlashDrafter,
     out_dir: str | Path,
     dtype: torch.dtype = torch.bfloat16,
     extra_files: dict | None = None,
@@ -360,24 +474,34 @@ def save_drafter(
         write_json(out_dir / name, obj)
 
 
+def drafter_method(config: dict) -> str:
+    """eagle3 | dflash, from a drafter's config.json (its architecture)."""
+    return "dflash" if DFLASH_ARCHITECTURE in (config.get("architectures") or []) else "eagle3"
+
+
 def load_drafter(
     path: str | Path,
     target_dir: str | Path | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-) -> tuple[Eagle3Drafter, Eagle3Config]:
-    """(drafter in eval mode, config) from a `save_drafter` folder; the frozen embedding comes
-    from `target_dir`, else from the target path recorded in config.json."""
+) -> tuple[Eagle3Drafter | DFlashDrafter, Eagle3Config | DFlashConfig]:
+    """(drafter in eval mode, config) from a `save_drafter` folder of either method; the frozen
+    embedding (and DFlash's LM head) comes from `target_dir`, else the target path in config.json."""
     from safetensors.torch import load_file
 
     path = Path(path)
     try:
-        cfg = Eagle3Config.from_dict(read_json(path / "config.json"))
+        raw = read_json(path / "config.json")
     except FileNotFoundError:
         raise DraftflowError(f"{path}: no config.json; not a drafter folder") from None
+    method = drafter_method(raw)
+    config_class, model_class = (DFlashConfig, DFlashDrafter) if method == "dflash" else (Eagle3Config, Eagle3Drafter)
+    try:
+        cfg = config_class.from_dict(raw)
     except (KeyError, ValueError) as e:
-        raise DraftflowError(f"{path / 'config.json'}: not an EAGLE-3 drafter config: {e}") from None
-    drafter = Eagle3Drafter(cfg)
+        name = "a DFlash" if method == "dflash" else "an EAGLE-3"
+        raise DraftflowError(f"{path / 'config.json'}: not {name} drafter config: {e}") from None
+    drafter = model_class(cfg)
     tensors = load_file(str(path / "model.safetensors"))
     missing, unexpected = drafter.load_state_dict(tensors, strict=False)
     if missing or unexpected:
@@ -387,7 +511,11 @@ def load_drafter(
         raise DraftflowError(
             f"{path}: the drafter needs its target's embedding; pass the target folder (recorded: {cfg.target_path!r})"
         )
-    drafter.embed_tokens.weight = load_target_tensors(target_dir)["embed"]
+    tensors = load_target_tensors(target_dir)
+    if method == "dflash":
+        drafter.set_target(tensors["embed"], tensors["lm_head"])
+    else:
+        drafter.embed_tokens.weight = tensors["embed"]
     return drafter.to(device=device, dtype=dtype).eval(), cfg
 
 
@@ -436,13 +564,24 @@ def init_distributed(gpus: int) -> DistEnv:
     return DistEnv(rank, world, local, device)
 
 
+def make_objective(drafter, s: TrainSettings, compile: bool = False) -> nn.Module:
+    """The method's training forward: `(loss, stats [len(STAT_ROWS), s.stat_steps])`."""
+    if s.method == "dflash":
+        from draftflow.drafters.dflash_loss import DFlashObjective
+
+        return DFlashObjective(drafter, s.loss_decay, s.dflash_settings.labels, compile=compile)
+    return TTTObjective(drafter, s.ttt_steps, s.step_weight_decay, compile=compile)
+
+
 def wrap_parallel(objective: TTTObjective, env: DistEnv, fsdp: bool) -> nn.Module:
     if env.world_size == 1:
         return objective
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
-        for layer in [objective.drafter.midlayer, *objective.drafter.layers.values()]:
+        drafter = objective.drafter
+        layers = drafter.layers if isinstance(drafter, DFlashDrafter) else [drafter.midlayer, *drafter.layers.values()]
+        for layer in layers:
             fully_shard(layer)
         return fully_shard(objective)
     # frozen embedding and vocab buffers never change: no per-step buffer broadcast
@@ -506,7 +645,7 @@ def train_step(
         with no_sync:
             with autocast(env.device):
                 target = target_head(mb.final)
-                loss, s = model(mb.input_ids, mb.loss_mask, mb.aux, target.probs, target.argmax, normalizer)
+                loss, s = model(mb.input_ids, mb.loss_mask, mb.aux, target.probs, target.argmax, normalizer, *mb.extra())
             # DDP averages gradients over ranks; the loss is already a global mean
             (loss * env.world_size).backward()
         stats = s if stats is None else stats + s
@@ -542,7 +681,7 @@ def evaluate(
         batch = batch.to(env.device)
         with autocast(env.device):
             target = target_head(batch.final)
-            _, s = objective(batch.input_ids, batch.loss_mask, batch.aux, target.probs, target.argmax)
+            _, s = objective(batch.input_ids, batch.loss_mask, batch.aux, target.probs, target.argmax, None, *batch.extra())
         if kept:
             total += s
     objective.train()
@@ -588,8 +727,9 @@ def run_fingerprint(s: TrainSettings, world_size: int, train_ranges, eval_ranges
         "train": ranges(train_ranges),
         "eval": ranges(eval_ranges),
         "target": target_identity(target_dir),
-        "vocab": _sha256_file(Path(vocab_path)),
     }
+    if vocab_path is not None:  # DFlash has none
+        description["vocab"] = _sha256_file(Path(vocab_path))
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -752,26 +892,38 @@ class TrainInputs:
     train_ranges: list[Path]
     eval_ranges: list[Path]
     target: Path
-    vocab: Path
+    vocab: Path | None  # EAGLE-3's draft vocabulary; DFlash uses the target's whole vocabulary
     state_dir: Path
     output: Path
+    tokenizer: Path | None = None  # DFlash's mask token (default: the target folder's tokenizer)
 
 
-def _check_ranges(reader, cfg: Eagle3Config, label: str) -> None:
+def reader_layers(range_dirs: Sequence[Path], cfg, label: str) -> list[int] | None:
+    """Where the drafter's aux layers sit among the layers the ranges store (None: all of them,
+    in order). Ranges may store more layers than a method reads (extraction captures the union
+    of every method's layers); every range must store them in the same order."""
     from draftflow.hidden_states.storage import read_range_index
 
-    for d in reader.range_dirs:
+    want = [int(i) for i in cfg.aux_layer_ids]
+    found = None
+    for d in range_dirs:
         meta, _ = read_range_index(d)
-        if meta.get("hidden_size") != cfg.hidden_size or meta.get("num_layers_captured") != len(cfg.aux_layer_ids) + 1:
-            raise DraftflowError(
-                f"{d / 'index.json'}: {label} hidden states have H={meta.get('hidden_size')} and "
-                f"{meta.get('num_layers_captured')} layers; the drafter needs H={cfg.hidden_size} and "
-                f"{len(cfg.aux_layer_ids)} aux layers + the final state"
-            )
+        stored_count = (meta.get("num_layers_captured") or 0) - 1
         ids = meta.get("aux_layer_ids")
-        if ids is not None and list(ids) != list(cfg.aux_layer_ids):
+        stored = list(ids) if ids is not None else list(want[:stored_count])
+        if meta.get("hidden_size") != cfg.hidden_size or stored_count != len(stored) or not set(want) <= set(stored):
             where_ = where(d / "index.json", field="meta.aux_layer_ids")
-            raise DraftflowError(f"{where_}: {ids}, but train.aux_layer_ids is {list(cfg.aux_layer_ids)}")
+            raise DraftflowError(
+                f"{where_}: {label} hidden states store aux layers {stored} (+ final) with H={meta.get('hidden_size')}; "
+                f"the drafter reads aux layers {want} with H={cfg.hidden_size}: extract them (extract.aux_layer_ids"
+                " / train.dflash.target_layer_ids) or train on these"
+            )
+        if found is not None and stored != found:
+            raise DraftflowError(f"{d / 'index.json'}: stores aux layers {stored}, other ranges {found}; re-extract it")
+        found = stored
+    if found is None or found == want:
+        return None
+    return [found.index(i) for i in want]
 
 
 def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = None) -> dict:
@@ -782,15 +934,18 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
     cuda = env.device.type == "cuda"
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
-    vocab = load_vocab(inputs.vocab)
-    drafter, target_head, cfg = build_drafter(
-        s, inputs.target, vocab, embed_dtype=torch.bfloat16 if cuda else torch.float32
-    )
+    embed_dtype = torch.bfloat16 if cuda else torch.float32
+    if s.method == "dflash":
+        drafter, target_head, cfg = build_dflash(s, inputs.target, inputs.tokenizer, embed_dtype=embed_dtype)
+    else:
+        if inputs.vocab is None:
+            raise DraftflowError("train: EAGLE-3 needs --vocab (draft_vocab.safetensors from `draftflow vocab`)")
+        drafter, target_head, cfg = build_drafter(s, inputs.target, load_vocab(inputs.vocab), embed_dtype=embed_dtype)
     train_reader, eval_reader = HiddenStateReader(inputs.train_ranges), HiddenStateReader(inputs.eval_ranges)
     if len(train_reader) == 0:
         raise DraftflowError("no training samples in --train-ranges")
-    _check_ranges(train_reader, cfg, "train")
-    _check_ranges(eval_reader, cfg, "eval")
+    train_layers = reader_layers(train_reader.range_dirs, cfg, "train")
+    eval_layers = reader_layers(eval_reader.range_dirs, cfg, "eval")
 
     plans = plan_epochs(train_reader.lengths, s, env.world_size)
     total_steps = sum(p.steps for p in plans)
@@ -800,7 +955,7 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
 
     drafter.to(env.device)
     target_head.to(env.device, dtype=torch.bfloat16 if cuda else torch.float32)
-    objective = TTTObjective(drafter, s.ttt_steps, s.step_weight_decay, compile=use_compile(s.compile, env.device))
+    objective = make_objective(drafter, s, compile=use_compile(s.compile, env.device))
     model = wrap_parallel(objective, env, s.fsdp and env.world_size > 1)
     optimizer, scheduler = make_optimizer(drafter, s, total_steps, fused=cuda)
     fsdp = s.fsdp and env.world_size > 1
@@ -838,8 +993,8 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
     def run_eval(epoch: int) -> dict | None:
         if len(eval_reader) == 0:
             return None
-        loader = make_loader(eval_reader, eval_batches, s, env.device)
-        summary = summarize(evaluate(objective, target_head, loader, env, s.ttt_steps, eval_keep), s.step_weight_decay)
+        loader = make_loader(eval_reader, eval_batches, s, env.device, eval_layers)
+        summary = summarize(evaluate(objective, target_head, loader, env, s.stat_steps, eval_keep), s.loss_decay)
         metrics.write({"kind": "eval", "step": progress.global_step, "epoch": epoch, **summary})
         progress.last_eval = summary
         log.info("eval step %d | loss %.4f | acc %s | alpha %s | tau %.3f", progress.global_step, summary["loss"],
@@ -851,7 +1006,7 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
                 _save_best(drafter, state, run_dir / "best", summary, progress.global_step)
         return summary
 
-    stats_acc = torch.zeros(len(STAT_ROWS), s.ttt_steps, dtype=torch.float64, device=env.device)
+    stats_acc = torch.zeros(len(STAT_ROWS), s.stat_steps, dtype=torch.float64, device=env.device)
     window = {"tokens": 0, "data_s": 0.0, "t0": time.perf_counter(), "steps": 0}
     last_eval = progress.last_eval
     for plan in plans[progress.epoch :]:
@@ -861,7 +1016,7 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
             for step in range(first, plan.steps)
             for b in plan.rank_batches(step, env.rank, env.world_size, s.grad_accum)
         ]
-        batches = iter(make_loader(train_reader, mine, s, env.device))
+        batches = iter(make_loader(train_reader, mine, s, env.device, train_layers, plan.epoch))
         for step in range(first, plan.steps):
             t_data = time.perf_counter()
             micro = [next(batches).to(env.device) for _ in range(s.grad_accum)]
@@ -943,7 +1098,7 @@ def _log_train(env, metrics, progress, epoch, total_steps, scheduler, stats_acc,
         [stats_acc.flatten(), torch.tensor([float(window["tokens"])], dtype=torch.float64, device=env.device)]
     )
     packed = env.all_reduce(packed).cpu()
-    summary = summarize(packed[:-1].view_as(stats_acc), s.step_weight_decay)
+    summary = summarize(packed[:-1].view_as(stats_acc), s.loss_decay)
     tokens = int(packed[-1])
     elapsed = time.perf_counter() - window["t0"]
     row = {
@@ -971,7 +1126,8 @@ def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
     )
     parser.add_argument("--eval-ranges", nargs="+", default=[], type=Path, help="held-out range folders")
     parser.add_argument("--target", required=True, type=Path, help="target model folder (embedding, LM head)")
-    parser.add_argument("--vocab", required=True, type=Path, help="draft_vocab.safetensors from `draftflow vocab`")
+    parser.add_argument("--vocab", type=Path, help="draft_vocab.safetensors from `draftflow vocab` (EAGLE-3)")
+    parser.add_argument("--tokenizer", type=Path, help="DFlash: the tokenizer that names its mask token (default: --target)")
     parser.add_argument("--settings", required=True, type=settings_arg, help="config `train` + aux_layer_ids, as JSON")
     parser.add_argument("--state-dir", required=True, type=Path, help="resume state (outside the rule's outputs)")
     parser.add_argument("--output", required=True, type=Path, help="final drafter folder")
@@ -984,8 +1140,9 @@ def main(args: argparse.Namespace) -> int:
         logging.getLogger().setLevel(logging.WARNING)
     try:
         inputs = TrainInputs(
-            list(args.train_ranges), list(args.eval_ranges), args.target, args.vocab, args.state_dir, args.output
-        )
+            list(args.train_ranges), list(args.eval_ranges), args.target, args.vocab, args.state_dir, args.output,
+            args.tokenizer,
+        )  # fmt: skip
         run_training(inputs, settings, env)
     finally:
         if dist.is_initialized():

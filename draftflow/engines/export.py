@@ -1,5 +1,6 @@
 """`draftflow export` / `draftflow import-drafter`: servable drafters for SGLang and vLLM, and
-existing SpecForge / SGLang-format EAGLE-3 drafters into ours.
+existing SpecForge / SGLang-format EAGLE-3 drafters into ours. A DFlash drafter (config.json
+architecture DFlashDraftModel) is exported by `export_dflash.py` into the same folders.
 
 Export writes, under --output-dir:
 
@@ -324,6 +325,15 @@ def _target_config(target: Path) -> dict:
         raise DraftflowError(f"{target}: no config.json; --target must be the target model folder") from None
 
 
+def _is_dflash(drafter_dir: Path) -> bool:
+    from draftflow.drafters.train import drafter_method
+
+    try:
+        return drafter_method(read_json(drafter_dir / "config.json")) == "dflash"
+    except FileNotFoundError:
+        raise DraftflowError(f"{drafter_dir}: no config.json; not a drafter folder") from None
+
+
 def _write_launch(path: Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
@@ -331,6 +341,10 @@ def _write_launch(path: Path, text: str) -> None:
 
 
 def export_drafter(drafter_dir: Path, target: Path, settings: ExportSettings, output_dir: Path) -> dict:
+    if _is_dflash(drafter_dir):  # the other drafter method: its own layout (export_dflash.py)
+        from draftflow.engines.export_dflash import export_dflash
+
+        return export_dflash(drafter_dir, target, settings, output_dir)
     cfg, tensors = read_drafter(drafter_dir)
     if settings.aux_layer_ids is not None and list(settings.aux_layer_ids) != list(cfg.aux_layer_ids):
         raise DraftflowError(
@@ -514,8 +528,9 @@ def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.stage == "export":
         manifest = export_drafter(args.drafter, args.target, ExportSettings.from_dict(args.settings), args.output_dir)
-        log.info("exported: sglang ids %s, vllm ids %s -> %s", manifest["sglang"]["eagle_aux_hidden_state_layer_ids"],
-                 manifest["vllm"]["eagle_aux_hidden_state_layer_ids"], args.output_dir)  # fmt: skip
+        if manifest.get("method") != "dflash":
+            log.info("exported: sglang ids %s, vllm ids %s -> %s", manifest["sglang"]["eagle_aux_hidden_state_layer_ids"],
+                     manifest["vllm"]["eagle_aux_hidden_state_layer_ids"], args.output_dir)  # fmt: skip
     else:
         import_drafter(args.source, args.input, args.target, args.output, args.sglang_version)
     return 0

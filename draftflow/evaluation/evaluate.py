@@ -7,13 +7,17 @@
   steps < k hit), τ_sim = 1 + Σ_k Π_{j≤k} α_j for K = max(draft_tokens). Where the data is
   the target's own greedy output this is exactly what real decoding would accept from each
   anchor; real decoding just visits fewer anchors (one per verify step).
+* **DFlash drafters** (`draftflow.drafters.dflash`): simulated over blocks anchored at every loss
+  position of the eval split (`simulate_dflash`); real decoding drafts a block per verify step
+  and is measured at each K in draft_tokens and at the full block (K = block_size - 1, as served).
 * **Real**: greedy chain speculative decoding (`draftflow.evaluation.speculative`) with the HF target,
   for each K in draft_tokens, on prompts from the eval split (tokens before the first loss
   token) and from an optional prompts file (one per line, rendered with the chat template).
   The same prompts through the same verify loop with a prompt-lookup (n-gram) drafter give
   the model-free baseline, and plain greedy decoding the reference output and the speed.
 
-Writes acceptance.json (`acceptance_length` = real τ at the largest K) and acceptance.csv.
+Writes acceptance.json (`method`; `acceptance_length` = real τ at the largest K; per-K results
+under the method's name and "ngram") and acceptance.csv.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ import torch
 
 from draftflow.errors import DraftflowError, reject_unknown_keys, where
 from draftflow.jsonl import atomic_path, read_jsonl, write_json
+from draftflow.drafters.dflash import DFlashConfig
 from draftflow.evaluation.speculative import (
     AcceptanceStats,
     DecodeResult,
+    DFlashProposer,
     Eagle3Proposer,
     NgramProposer,
     Proposer,
@@ -147,16 +153,50 @@ def chain_lengths(
     return chain.cpu(), counts.cpu()
 
 
-def simulate(drafter, head: TargetHead, reader, steps: int, max_samples: int | None = None) -> SimulatedAcceptance:
-    """Simulated acceptance over the samples of a `storage.HiddenStateReader`."""
+def _layers_of(hidden: torch.Tensor, layers: list[int] | None) -> torch.Tensor:
+    """hidden [T, L, H] -> the drafter's aux layers (indexes among the stored ones) + final."""
+    return hidden if layers is None else torch.cat([hidden[:, layers], hidden[:, -1:]], dim=1)
+
+
+def simulate(
+    drafter, head: TargetHead, reader, steps: int, max_samples: int | None = None, layers: list[int] | None = None
+) -> SimulatedAcceptance:
+    """Simulated acceptance over the samples of a `storage.HiddenStateReader`; layers: where the
+    drafter's aux layers sit among the stored ones (`train.reader_layers`), None: all."""
     result = SimulatedAcceptance(steps)
     n = len(reader) if max_samples is None else min(len(reader), max_samples)
     for i in range(n):
         sample = reader[i]
         chain, counts = chain_lengths(
-            drafter, head, torch.from_numpy(sample.input_ids), torch.from_numpy(sample.loss_mask), sample.hidden, steps
-        )
+            drafter, head, torch.from_numpy(sample.input_ids), torch.from_numpy(sample.loss_mask),
+            _layers_of(sample.hidden, layers), steps,
+        )  # fmt: skip
         result.add(chain, counts)
+    return result
+
+
+@torch.no_grad()
+def simulate_dflash(drafter, reader, layers: list[int] | None = None, max_samples: int | None = None) -> SimulatedAcceptance:
+    """DFlash's simulated acceptance: every loss position of each eval sample anchors a block
+    (teacher-forced context, as in training); row k of a block counts when rows < k hit the
+    target's greedy token (`dflash_loss`), K = block_size - 1."""
+    from draftflow.drafters.dflash_loss import ArgmaxHead, DFlashObjective
+    from draftflow.drafters.train import AnchorPlan, collate
+
+    device = drafter.fc.weight.device
+    objective = DFlashObjective(drafter, decay=1.0)
+    head = ArgmaxHead(drafter.lm_head.weight)
+    result = SimulatedAcceptance(drafter.block_size - 1)
+    plan = AnchorPlan(drafter.block_size, per_sample=1 << 30)  # every anchor, no randomness
+    n = len(reader) if max_samples is None else min(len(reader), max_samples)
+    for i in range(n):
+        batch = collate([reader[i]], 1, layers, plan).to(device, non_blocking=False)
+        target = head(batch.final.to(drafter.fc.weight.dtype))
+        _, stats = objective(batch.input_ids, batch.loss_mask, batch.aux, None, target.argmax, None, batch.anchors)
+        for k in range(result.steps):
+            result.trials[k] += int(stats[4, k])
+            result.hits[k] += int(stats[3, k])
+        result.samples += 1
     return result
 
 
@@ -267,10 +307,10 @@ CSV_FIELDS = ["method", "measured", "draft_tokens", "acceptance_length", "speedu
 def csv_rows(report: dict) -> list[dict]:
     """One row per (method, K) and one for the simulated τ; α_i in columns alpha_1..alpha_K."""
     rows = []
-    sim = report["simulated"]
-    rows.append({"method": "eagle3", "measured": "simulated", "draft_tokens": sim["draft_tokens"],
+    sim, drafter = report["simulated"], report.get("method", "eagle3")
+    rows.append({"method": drafter, "measured": "simulated", "draft_tokens": sim["draft_tokens"],
                  "acceptance_length": sim["acceptance_length"], "alpha": sim["alpha"]})  # fmt: skip
-    for method in ("eagle3", "ngram"):
+    for method in (drafter, "ngram"):
         for k, r in report[method].items():
             rows.append({
                 "method": method, "measured": "real", "draft_tokens": int(k),
@@ -316,19 +356,29 @@ def _check_layers(cfg, settings: EvaluateSettings, drafter_dir: Path) -> None:
 def run_evaluate(inputs: EvaluateInputs, settings: EvaluateSettings) -> dict:
     from draftflow.hidden_states.storage import HiddenStateReader
     from draftflow.target import load_target, resolve_device
-    from draftflow.drafters.train import load_drafter
+    from draftflow.drafters.train import load_drafter, reader_layers
 
     device = resolve_device(settings.device)
     dtype = torch.float32 if device.type == "cpu" else "auto"  # CPU half-precision matmuls are slow
     model, tokenizer = load_target(inputs.target, dtype=dtype, device=str(device))
     drafter, cfg = load_drafter(inputs.drafter, inputs.target, device=device, dtype=next(model.parameters()).dtype)
     _check_layers(cfg, settings, inputs.drafter)
-    head = TargetHead(model.get_output_embeddings().weight, drafter.t2d).to(device)
+    # EAGLE-3 drafts a chain of K tokens; DFlash a block of B - 1, of which K are verified: it is
+    # also evaluated at its full block, as served.
+    method = "dflash" if isinstance(cfg, DFlashConfig) else "eagle3"
+    draft_tokens = sorted(set(settings.draft_tokens) | ({cfg.block_size - 1} if method == "dflash" else set()))
+    k_max = max(draft_tokens)
 
-    simulated = SimulatedAcceptance(settings.k_max)
+    simulated = SimulatedAcceptance(drafter.block_size - 1 if method == "dflash" else k_max)
     if inputs.eval_ranges:
-        simulated = simulate(drafter, head, HiddenStateReader(list(inputs.eval_ranges)), settings.k_max)
-    log.info("simulated τ (K=%d) %.3f over %d samples", settings.k_max, simulated.tau, simulated.samples)
+        reader = HiddenStateReader(list(inputs.eval_ranges))
+        layers = reader_layers(reader.range_dirs, cfg, "eval")
+        if method == "dflash":
+            simulated = simulate_dflash(drafter, reader, layers)
+        else:
+            head = TargetHead(model.get_output_embeddings().weight, drafter.t2d).to(device)
+            simulated = simulate(drafter, head, reader, k_max, layers=layers)
+    log.info("simulated τ (K=%d) %.3f over %d samples", simulated.steps, simulated.tau, simulated.samples)
 
     prompts: list[Prompt] = []
     if settings.prompts_file:
@@ -346,27 +396,29 @@ def run_evaluate(inputs: EvaluateInputs, settings: EvaluateSettings) -> dict:
 
     target = Target(model, cfg.aux_layer_ids)
     try:
-        proposers = [Eagle3Proposer(drafter), NgramProposer(settings.ngram_max)]
+        proposer = DFlashProposer(drafter) if method == "dflash" else Eagle3Proposer(drafter)
+        proposers = [proposer, NgramProposer(settings.ngram_max)]
         real, greedy = run_real(
-            target, proposers, prompts, sorted(settings.draft_tokens), settings.max_new_tokens,
-            eos_token_ids(model, tokenizer),
+            target, proposers, prompts, draft_tokens, settings.max_new_tokens, eos_token_ids(model, tokenizer),
         )  # fmt: skip
     finally:
         target.close()
 
+    drafting = "block drafting (DFlash)" if method == "dflash" else "chain"
     report = {
-        "acceptance_length": real["eagle3"][settings.k_max].stats.tau,
-        "acceptance_length_measured": "real: greedy chain speculative decoding against the target, "
-        f"K={settings.k_max}, tokens per verify step",
+        "method": method,
+        "acceptance_length": real[method][k_max].stats.tau,
+        "acceptance_length_measured": f"real: greedy {drafting} speculative decoding against the target, "
+        f"K={k_max}, tokens per verify step",
         "acceptance_length_simulated": simulated.tau,
         "simulated": simulated.as_json(),
-        "eagle3": {str(k): r.as_json(greedy.seconds) for k, r in real["eagle3"].items()},
+        method: {str(k): r.as_json(greedy.seconds) for k, r in real[method].items()},
         "ngram": {str(k): r.as_json(greedy.seconds) for k, r in real["ngram"].items()},
         "greedy": {"generated_tokens": greedy.generated, "seconds": greedy.seconds,
                    "tokens_per_second": greedy.generated / greedy.seconds if greedy.seconds else None},  # fmt: skip
         "prompts": {"count": len(prompts), "from_file": sum(p.source.startswith("file:") for p in prompts),
                     "from_eval": sum(p.source.startswith("eval:") for p in prompts)},  # fmt: skip
-        "settings": {**asdict(settings), "draft_tokens": list(settings.draft_tokens)},
+        "settings": {**asdict(settings), "draft_tokens": list(draft_tokens)},
         "drafter": str(inputs.drafter),
         "target": str(inputs.target),
         "aux_layer_ids": list(cfg.aux_layer_ids),
@@ -375,7 +427,7 @@ def run_evaluate(inputs: EvaluateInputs, settings: EvaluateSettings) -> dict:
     }
     inputs.output_dir.mkdir(parents=True, exist_ok=True)
     write_json(inputs.output_dir / "acceptance.json", report)
-    write_csv(inputs.output_dir / "acceptance.csv", csv_rows(report), settings.k_max)
+    write_csv(inputs.output_dir / "acceptance.csv", csv_rows(report), k_max)
     return report
 
 
@@ -397,9 +449,10 @@ def main(args: argparse.Namespace) -> int:
     settings = EvaluateSettings.from_dict(args.settings)
     inputs = EvaluateInputs(args.drafter, args.target, tuple(args.eval_ranges), args.eval_data, args.output_dir)
     report = run_evaluate(inputs, settings)
+    k_max = max(report["settings"]["draft_tokens"])
     log.info(
-        "acceptance length: real %.3f (K=%d), simulated %.3f; n-gram baseline %.3f",
-        report["acceptance_length"], settings.k_max, report["acceptance_length_simulated"],
-        report["ngram"][str(settings.k_max)]["acceptance_length"],
+        "%s acceptance length: real %.3f (K=%d), simulated %.3f; n-gram baseline %.3f", report["method"],
+        report["acceptance_length"], k_max, report["acceptance_length_simulated"],
+        report["ngram"][str(k_max)]["acceptance_length"],
     )  # fmt: skip
     return 0

@@ -14,8 +14,9 @@ single-token forwards). τ = tokens emitted by verify steps / verify steps, 1 �
 (DESIGN.md §3); the first token comes from the prompt's forward and is not counted.
 
 Proposers: `Eagle3Proposer` (an EAGLE-3 drafter fed the target's aux states, captured in the
-verify forward by hooks on the decoder layers: aux id i = output of decoder layer i) and
-`NgramProposer` (prompt lookup, the model-free baseline). Any object with `propose` works.
+verify forward by hooks on the decoder layers: aux id i = output of decoder layer i),
+`DFlashProposer` (a DFlash drafter: one forward drafts a block from the same kind of states)
+and `NgramProposer` (prompt lookup, the model-free baseline). Any object with `propose` works.
 """
 
 from __future__ import annotations
@@ -181,6 +182,49 @@ class Eagle3Proposer:
                 pos = torch.tensor([[n + S + i]], device=self.device)
                 logits, out, _ = self.drafter.step(draft[:, None], out[:, -1:], pos, self.cache)
         return drafts
+
+
+class DFlashProposer:
+    """Block drafting with a DFlash drafter (`draftflow.drafters.dflash.DFlashDrafter` API): one
+    forward drafts a whole block [last token, MASK × (B-1)] from the target states of every
+    verified position, which its cache keeps as projected keys/values. Drafts are never cached,
+    so nothing is rolled back; k < B-1 verifies only the block's first k drafts."""
+
+    name = "dflash"
+    needs_aux = True
+
+    def __init__(self, drafter):
+        from draftflow.drafters.dflash import ContextCache
+
+        self.drafter = drafter.eval()
+        self._new_cache = lambda: ContextCache(drafter.num_layers)
+        self.device = drafter.fc.weight.device
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = self._new_cache()
+        self.rows = 0  # target positions whose states are in the cache
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], new_aux: torch.Tensor | None, k: int) -> list[int]:
+        S = 0 if new_aux is None else new_aux.shape[0]
+        n = self.rows
+        if len(tokens) != n + S + 1:
+            raise DraftflowError(f"dflash proposer: {len(tokens)} tokens but {n + S} target positions + 1 expected")
+        if S == 0:
+            raise DraftflowError("dflash proposer: no target states for the new positions (target captures none)")
+        d = self.drafter
+        positions = torch.arange(n, n + S, device=self.device)[None]  # [1, S]
+        self.cache.append(d.context_kv(d.context(new_aux[None].to(self.device)), positions))
+        self.rows = n + S
+        if k == 0:
+            return []
+        B = d.block_size
+        ids = torch.full((1, B), d.config.mask_token_id, dtype=torch.long, device=self.device)
+        ids[0, 0] = tokens[-1]  # the last emitted token, at position n + S
+        block_positions = torch.arange(n + S, n + S + B, device=self.device)[None]
+        logits = d.draft(ids, block_positions, self.cache)  # [1, B, V]
+        return logits[0, 1 : 1 + min(k, B - 1)].argmax(-1).tolist()
 
 
 class NgramProposer:

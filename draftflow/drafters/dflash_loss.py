@@ -1,0 +1,205 @@
+"""DFlash's training objective: many anchored blocks per sample in one forward, a cross-entropy
+per block position with exponentially decaying weights, and simulated acceptance.
+
+Notation: tokens x_0 .. x_{T-1}, loss mask m_t, the target's greedy token g_{t+1} = argmax z_t
+(z_t: the target's logits after reading x_0 .. x_t, from the stored final state).
+
+* Anchors (`choose_anchors`, in the data loader): up to `anchors_per_sample` positions a with
+  m_a = 1 and a <= T - 2, drawn at random when there are more (evaluation: evenly spaced).
+  As at inference, the anchor is the last verified token, itself an assistant token.
+* Block at a: ids [x_a, MASK × (B-1)] at positions a .. a+B-1; context: the target's states of
+  the rows t < a (`dflash.AnchoredBlocks`).
+* Label of block row k = 1 .. B-1: g_{a+k} (labels "target", what speculators' DFlash trainer
+  uses: the target's own greedy token, from the stored final states) or x_{a+k} (labels "data",
+  SpecForge and the paper, whose data the target itself generated).
+* Weight: m_{a+k} for a+k < T. The loss is Σ_k γ_k · (Σ_blocks m · CE_k) / N_k with
+  γ_k = exp(-(k-1)/γ) (the paper's decay; SpecForge suggests γ = 7 for B = 16) and N_k the label
+  count of row k over the global batch (`block_label_counts`), as the EAGLE-3 objective
+  normalizes each TTT step. SpecForge divides by Σ γ_k N_k instead: the same per-position
+  balance (N_k hardly varies with k), a different overall scale.
+* Statistics per row k, in the rows of `ttt.STAT_ROWS` so `ttt.summarize` reads them: row k is
+  a trial when rows 1 .. k-1 of its block hit the target's greedy token (verification accepts
+  a prefix), so α_k = P(row k hits | rows < k hit) and τ = 1 + Σ_k Π_{j≤k} α_j, K = B - 1.
+
+The logits cover the target's whole vocabulary (the engines use the target's LM head), so the
+cross-entropy runs in row chunks and recomputes the logits in backward (`LinearCrossEntropy`):
+memory O(chunk × V), not O(rows × V).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from draftflow.drafters.dflash import AnchoredBlocks, DFlashDrafter
+from draftflow.drafters.ttt import STAT_ROWS, TargetInfo, _logits_fp32
+
+LABELS = ("target", "data")
+
+
+# ---------------------------------------------------------------- anchors (data loader side)
+
+
+def choose_anchors(loss_mask: np.ndarray, cap: int, rng: np.random.Generator | None) -> np.ndarray:
+    """Sorted anchor positions of one sample: loss positions a <= T - 2 (a label follows), at
+    most `cap`: a random subset with `rng`, else an evenly spaced one (deterministic)."""
+    T = len(loss_mask)
+    valid = np.flatnonzero(np.asarray(loss_mask[: max(T - 1, 0)], dtype=bool))
+    if len(valid) <= cap:
+        return valid
+    if rng is None:
+        return valid[np.linspace(0, len(valid) - 1, cap).round().astype(np.int64)]
+    return np.sort(rng.choice(valid, cap, replace=False))
+
+
+def pad_anchors(per_sample: list[np.ndarray]) -> torch.Tensor:
+    """[B, n_max] int64, -1 where a sample has fewer anchors (a block that counts nowhere)."""
+    n = max(1, max((len(a) for a in per_sample), default=0))
+    out = torch.full((len(per_sample), n), -1, dtype=torch.int64)
+    for b, a in enumerate(per_sample):
+        out[b, : len(a)] = torch.from_numpy(np.asarray(a, dtype=np.int64))
+    return out
+
+
+def block_label_positions(anchors: torch.Tensor, block_size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """anchors [B, n] -> (positions a+k [B, n, B-1] clamped to the sequence, in-range [B, n, B-1]
+    for a real anchor with a+k < length), k = 1 .. B-1."""
+    k = torch.arange(1, block_size, device=anchors.device)
+    pos = anchors[..., None] + k
+    ok = (anchors[..., None] >= 0) & (pos < length)
+    return pos.clamp(0, length - 1), ok
+
+
+def label_weights(loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, n, B-1] bool: block row k of anchor a has a label (a real anchor, a+k < T, m_{a+k})."""
+    pos, ok = block_label_positions(anchors, block_size, loss_mask.shape[1])
+    return ok & torch.gather(loss_mask.bool()[:, None, :].expand(-1, anchors.shape[1], -1), 2, pos)
+
+
+def block_label_counts(loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B-1] int64: labels of each block row over the batch (the loss normalizer N_k)."""
+    return label_weights(loss_mask, anchors, block_size).sum(dim=(0, 1)).to(torch.int64)
+
+
+# ---------------------------------------------------------------- target side
+
+
+class ArgmaxHead(nn.Module):
+    """The target's frozen LM head on stored final states: only its greedy token (full vocab)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight.detach().clone(), persistent=False)  # [V, H]
+
+    @torch.no_grad()
+    def forward(self, final: torch.Tensor, chunk_tokens: int = 4096) -> TargetInfo:
+        B, T, H = final.shape
+        rows = final.reshape(B * T, H).split(chunk_tokens)
+        argmax = torch.cat([_logits_fp32(r, self.weight).argmax(-1) for r in rows]).view(B, T)
+        return TargetInfo(final.new_zeros(B, T, 0), argmax)  # no probabilities: hard labels
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """(CE [R], argmax [R]) of logits = hidden @ weight.T against labels, in chunks of rows,
+    without keeping [R, V] logits: backward recomputes each chunk's logits. `weight` is frozen."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int):
+        ces, preds, lses = [], [], []
+        for h, y in zip(hidden.split(chunk), labels.split(chunk)):
+            z = _logits_fp32(h, weight)  # [c, V] fp32
+            lse = torch.logsumexp(z, dim=-1)
+            ces.append(lse - z.gather(1, y[:, None])[:, 0])
+            preds.append(z.argmax(-1))
+            lses.append(lse)
+        ctx.save_for_backward(hidden, weight, labels, torch.cat(lses) if lses else hidden.new_zeros(0))
+        ctx.chunk = chunk
+        pred = torch.cat(preds) if preds else labels.new_zeros(0)
+        ctx.mark_non_differentiable(pred)
+        return (torch.cat(ces) if ces else hidden.new_zeros(0, dtype=torch.float32)), pred
+
+    @staticmethod
+    def backward(ctx, grad_ce: torch.Tensor, _grad_pred):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        grads = []
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            sl = slice(start, start + ctx.chunk)
+            z = _logits_fp32(hidden[sl], weight)
+            g = z.sub_(lse[sl, None]).exp_()  # softmax
+            g[torch.arange(g.shape[0], device=g.device), labels[sl]] -= 1.0
+            g.mul_(grad_ce[sl, None])
+            grads.append((g.to(weight.dtype) @ weight).to(hidden.dtype))
+        grad = torch.cat(grads) if grads else torch.zeros_like(hidden)
+        return grad, None, None, None
+
+
+# ---------------------------------------------------------------- the objective
+
+
+class DFlashObjective(nn.Module):
+    """The training forward as one module call (what DDP/FSDP wrap): loss and statistics
+    [len(STAT_ROWS), B-1], same call as `ttt.TTTObjective` plus the batch's anchors."""
+
+    def __init__(self, drafter: DFlashDrafter, decay: float, labels: str = "target", compile: bool = False,
+                 ce_chunk: int = 4096):  # fmt: skip
+        super().__init__()
+        if labels not in LABELS:
+            raise ValueError(f"labels must be one of {LABELS}, got {labels!r}")
+        self.drafter, self.decay, self.labels, self.ce_chunk = drafter, decay, labels, ce_chunk
+        if compile:
+            drafter.compile_pointwise()
+
+    @property
+    def steps(self) -> int:
+        return self.drafter.block_size - 1
+
+    def forward(self, input_ids, loss_mask, aux, target_probs, target_argmax, normalizer=None, anchors=None):
+        """input_ids, loss_mask [B, T]; aux [B, T, n*H]; target_argmax [B, T] target ids (z_t's
+        argmax); anchors [B, n] (-1: padding); normalizer [B-1] label counts (default: this batch's)."""
+        del target_probs  # hard labels only
+        d, Bk = self.drafter, self.drafter.block_size
+        B, T = input_ids.shape
+        device = input_ids.device
+        if anchors is None:
+            raise ValueError("DFlash needs the batch's anchors")
+        anchors = anchors.to(device)
+        n = anchors.shape[1]
+        start = anchors.clamp(min=0)
+        block_pos = start[..., None] + torch.arange(Bk, device=device)  # [B, n, Bk]
+        ids = torch.full((B, n, Bk), d.config.mask_token_id, dtype=torch.long, device=device)
+        ids[..., 0] = torch.gather(input_ids, 1, start)
+
+        positions = torch.arange(T, device=device).expand(B, T)
+        context_kv = d.context_kv(d.context(aux), positions)
+        hidden = d.forward_blocks(ids.view(B, n * Bk), block_pos.view(B, n * Bk), AnchoredBlocks(context_kv, anchors, Bk))
+        hidden = hidden.view(B, n, Bk, -1)[:, :, 1:]  # [B, n, K, H], K = Bk - 1: the drafting rows
+
+        pos, _ = block_label_positions(anchors, Bk, T)  # [B, n, K]: a + k
+        w = label_weights(loss_mask, anchors, Bk)  # [B, n, K]
+        greedy = torch.gather(target_argmax[:, None, :].expand(-1, n, -1), 2, pos - 1)  # g_{a+k} = argmax z_{a+k-1}
+        labels = greedy if self.labels == "target" else torch.gather(input_ids[:, None, :].expand(-1, n, -1), 2, pos)
+        rows = w.nonzero(as_tuple=True)
+        ce, pred = LinearCrossEntropy.apply(hidden[rows], d.lm_head.weight, labels[rows], self.ce_chunk)
+
+        K = Bk - 1
+        k_of = rows[2]  # block row (0-based: k - 1) of every labelled row
+        loss_sum = torch.zeros(K, dtype=ce.dtype, device=device).index_add(0, k_of, ce)
+        if normalizer is None:
+            normalizer = w.sum(dim=(0, 1))
+        weights = self.decay ** torch.arange(K, device=device, dtype=ce.dtype)
+        loss = (weights * loss_sum / normalizer.to(device).clamp(min=1)).sum()
+
+        with torch.no_grad():
+            hit = torch.zeros_like(w)
+            hit[rows] = pred == greedy[rows]
+            chain = hit.int().cumprod(dim=2).bool()  # rows 1..k all hit
+            before = torch.cat([torch.ones_like(chain[..., :1]), chain[..., :-1]], dim=2)
+            stats = torch.stack([
+                loss_sum.detach(), w.sum(dim=(0, 1)), hit.sum(dim=(0, 1)), chain.sum(dim=(0, 1)),
+                (before & w).sum(dim=(0, 1)),
+            ]).double()  # fmt: skip
+        return loss, stats
+
+
+assert len(STAT_ROWS) == 5  # loss_sum, tokens, correct, chain_hits, chain_trials
