@@ -153,7 +153,7 @@ def write_eval_split(tmp_path, model, records: list[tuple[list[int], list[int]]]
         entries.append(put.entry(f"s{i}", key))
     range_dir = tmp_path / "hs" / "eval" / f"rows_0-{len(records)}"
     meta = {"settings_digest": "test", "store_root": str(tmp_path / "hs" / "store"), "num_layers_captured": 4,
-            "hidden_size": model.config.hidden_size}  # fmt: skip
+            "hidden_size": model.config.hidden_size, "aux_layer_ids": AUX}  # fmt: skip
     write_range_index(range_dir, entries, meta)
     return range_dir
 
@@ -223,6 +223,41 @@ def test_evaluate_stage_writes_acceptance_json_and_csv(stage_inputs):
     ]  # fmt: skip
     assert float(rows[2]["acceptance_length"]) == pytest.approx(report["acceptance_length"], abs=1e-4)
     assert rows[1]["alpha_3"] == "" and rows[2]["alpha_3"] != ""
+
+
+def test_evaluate_stage_with_a_dflash_drafter(stage_inputs, tmp_path):
+    """A DFlash drafter reading a subset of the stored layers: block decoding equals greedy on
+    every prompt; K = the settings' plus the full block; simulated over the eval split."""
+    from draftflow.drafters.dflash import DFlashConfig, DFlashDrafter
+    from draftflow.drafters.train import save_drafter
+
+    tmp, range_dir, records = stage_inputs
+    config = json.loads((tmp / "target" / "config.json").read_text())
+    cfg = DFlashConfig.from_target(config, num_hidden_layers=2, target_layer_ids=[0, 1], block_size=5, mask_token_id=3)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg)
+    drafter.reset_parameters(std=0.3)
+    save_drafter(drafter, tmp / "dflash", dtype=torch.float32)
+    settings = {"draft_tokens": [3, 2], "max_prompts": 4, "max_new_tokens": 12, "device": "cpu",
+                "aux_layer_ids": [0, 1]}  # fmt: skip
+    assert cli_main([
+        "evaluate", "--drafter", str(tmp / "dflash"), "--target", str(tmp / "target"),
+        "--eval-ranges", str(range_dir), "--eval-data", str(tmp / "merged" / "eval.jsonl"),
+        "--settings", json.dumps(settings), "--output-dir", str(tmp_path / "eval"),
+    ]) == 0  # fmt: skip
+    report = json.loads((tmp_path / "eval" / "acceptance.json").read_text())
+    assert report["method"] == "dflash" and "eagle3" not in report
+    assert report["draft_tokens"] == [2, 3, 4] and report["settings"]["draft_tokens"] == [3, 2]
+    assert report["acceptance_length"] == report["dflash"]["4"]["acceptance_length"]
+    for k in (2, 3, 4):
+        r = report["dflash"][str(k)]
+        assert r["matches_greedy"] == r["prompts"] == len(records)  # the eval split's 3 prompts
+        assert 1.0 <= r["acceptance_length"] <= k + 1 and len(r["alpha"]) == k
+    sim = report["simulated"]
+    assert sim["draft_tokens"] == 4 and sim["samples"] == len(records) and sum(sim["trials"]) > 0
+    with open(tmp_path / "eval" / "acceptance.csv") as f:
+        rows = [(r["method"], r["measured"], r["draft_tokens"]) for r in csv.DictReader(f)]
+    assert rows[0] == ("dflash", "simulated", "4") and ("ngram", "real", "4") in rows
 
 
 def test_evaluate_refuses_a_drafter_trained_on_other_layers(stage_inputs, capsys):

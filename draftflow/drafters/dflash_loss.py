@@ -85,6 +85,13 @@ def block_label_counts(loss_mask: torch.Tensor, anchors: torch.Tensor, block_siz
 # ---------------------------------------------------------------- target side
 
 
+def _logits(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows @ weight.T in fp32 at least (float64 stays float64: exact tests)."""
+    if torch.float64 in (rows.dtype, weight.dtype):
+        return rows.double() @ weight.double().T
+    return _logits_fp32(rows, weight)
+
+
 class ArgmaxHead(nn.Module):
     """The target's frozen LM head on stored final states: only its greedy token (full vocab)."""
 
@@ -96,7 +103,7 @@ class ArgmaxHead(nn.Module):
     def forward(self, final: torch.Tensor, chunk_tokens: int = 4096) -> TargetInfo:
         B, T, H = final.shape
         rows = final.reshape(B * T, H).split(chunk_tokens)
-        argmax = torch.cat([_logits_fp32(r, self.weight).argmax(-1) for r in rows]).view(B, T)
+        argmax = torch.cat([_logits(r, self.weight).argmax(-1) for r in rows]).view(B, T)
         return TargetInfo(final.new_zeros(B, T, 0), argmax)  # no probabilities: hard labels
 
 
@@ -108,7 +115,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int):
         ces, preds, lses = [], [], []
         for h, y in zip(hidden.split(chunk), labels.split(chunk)):
-            z = _logits_fp32(h, weight)  # [c, V] fp32
+            z = _logits(h, weight)  # [c, V] fp32 (or float64)
             lse = torch.logsumexp(z, dim=-1)
             ces.append(lse - z.gather(1, y[:, None])[:, 0])
             preds.append(z.argmax(-1))
@@ -125,7 +132,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         grads = []
         for start in range(0, hidden.shape[0], ctx.chunk):
             sl = slice(start, start + ctx.chunk)
-            z = _logits_fp32(hidden[sl], weight)
+            z = _logits(hidden[sl], weight)
             g = z.sub_(lse[sl, None]).exp_()  # softmax
             g[torch.arange(g.shape[0], device=g.device), labels[sl]] -= 1.0
             g.mul_(grad_ce[sl, None])
@@ -177,7 +184,7 @@ class DFlashObjective(nn.Module):
 
         pos, _ = block_label_positions(anchors, Bk, T)  # [B, n, K]: a + k
         w = label_weights(loss_mask, anchors, Bk)  # [B, n, K]
-        greedy = torch.gather(target_argmax[:, None, :].expand(-1, n, -1), 2, pos - 1)  # g_{a+k} = argmax z_{a+k-1}
+        greedy = torch.gather(target_argmax[:, None, :].expand(-1, n, -1), 2, (pos - 1).clamp(min=0))  # g_{a+k}: z_{a+k-1}
         labels = greedy if self.labels == "target" else torch.gather(input_ids[:, None, :].expand(-1, n, -1), 2, pos)
         rows = w.nonzero(as_tuple=True)
         ce, pred = LinearCrossEntropy.apply(hidden[rows], d.lm_head.weight, labels[rows], self.ce_chunk)

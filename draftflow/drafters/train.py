@@ -910,7 +910,12 @@ def reader_layers(range_dirs: Sequence[Path], cfg, label: str) -> list[int] | No
         meta, _ = read_range_index(d)
         stored_count = (meta.get("num_layers_captured") or 0) - 1
         ids = meta.get("aux_layer_ids")
-        stored = list(ids) if ids is not None else list(want[:stored_count])
+        if ids is None and stored_count != len(want):
+            raise DraftflowError(
+                f"{d / 'index.json'}: records no aux_layer_ids for its {stored_count} aux layers, so the drafter's "
+                f"{want} cannot be picked among them; re-extract the range"
+            )
+        stored = want if ids is None else list(ids)
         if meta.get("hidden_size") != cfg.hidden_size or stored_count != len(stored) or not set(want) <= set(stored):
             where_ = where(d / "index.json", field="meta.aux_layer_ids")
             raise DraftflowError(
@@ -960,7 +965,8 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
     optimizer, scheduler = make_optimizer(drafter, s, total_steps, fused=cuda)
     fsdp = s.fsdp and env.world_size > 1
 
-    fp = run_fingerprint(s, env.world_size, inputs.train_ranges, inputs.eval_ranges, inputs.target, inputs.vocab)
+    vocab = None if s.method == "dflash" else inputs.vocab  # DFlash drafts over the whole target vocabulary
+    fp = run_fingerprint(s, env.world_size, inputs.train_ranges, inputs.eval_ranges, inputs.target, vocab)
     run_dir = Path(inputs.state_dir) / f"run-{fp}"
     if env.is_main:
         record = {"fingerprint": fp, "settings": dataclasses.asdict(s), "world_size": env.world_size,

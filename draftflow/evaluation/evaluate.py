@@ -418,7 +418,8 @@ def run_evaluate(inputs: EvaluateInputs, settings: EvaluateSettings) -> dict:
                    "tokens_per_second": greedy.generated / greedy.seconds if greedy.seconds else None},  # fmt: skip
         "prompts": {"count": len(prompts), "from_file": sum(p.source.startswith("file:") for p in prompts),
                     "from_eval": sum(p.source.startswith("eval:") for p in prompts)},  # fmt: skip
-        "settings": {**asdict(settings), "draft_tokens": list(draft_tokens)},
+        "settings": {**asdict(settings), "draft_tokens": list(settings.draft_tokens)},
+        "draft_tokens": list(draft_tokens),  # measured (DFlash: also its full block)
         "drafter": str(inputs.drafter),
         "target": str(inputs.target),
         "aux_layer_ids": list(cfg.aux_layer_ids),
@@ -449,7 +450,7 @@ def main(args: argparse.Namespace) -> int:
     settings = EvaluateSettings.from_dict(args.settings)
     inputs = EvaluateInputs(args.drafter, args.target, tuple(args.eval_ranges), args.eval_data, args.output_dir)
     report = run_evaluate(inputs, settings)
-    k_max = max(report["settings"]["draft_tokens"])
+    k_max = max(report["draft_tokens"])
     log.info(
         "%s acceptance length: real %.3f (K=%d), simulated %.3f; n-gram baseline %.3f", report["method"],
         report["acceptance_length"], k_max, report["acceptance_length_simulated"],

@@ -1,0 +1,361 @@
+"""DFlash: training blocks see exactly what inference drafting sees, block speculative decoding
+equals greedy decoding, the objective's statistics are real decoding's acceptance, the chunked
+cross-entropy is exact, anchors and mask tokens are chosen as documented, and a training run
+from range folders that store more layers than the drafter reads.
+
+The tiny target runs in float64 (no float ties between a block verify forward and single-token
+forwards), so equality with greedy decoding is asserted exactly.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from draftflow.drafters.dflash import (
+    AnchoredBlocks,
+    ContextCache,
+    DFlashConfig,
+    DFlashDrafter,
+    resolve_mask_token,
+    spread_target_layer_ids,
+)
+from draftflow.drafters.dflash_loss import (
+    DFlashObjective,
+    LinearCrossEntropy,
+    block_label_counts,
+    choose_anchors,
+    pad_anchors,
+)
+from draftflow.errors import DraftflowError
+from draftflow.evaluation.speculative import (
+    AcceptanceStats,
+    DFlashProposer,
+    NgramProposer,
+    Target,
+    greedy_decode,
+    speculative_decode,
+)
+from test_speculative import random_prompts, tiny_target
+
+IDS = [0, 1, 2]  # target layers the drafter reads (of 4: the last one's output is not servable)
+BLOCK = 4
+MASK = 63
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_drafter(model, layers: int = 2, std: float | None = 0.3, seed: int = 1) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    cfg = DFlashConfig.from_target(model.config.to_dict(), num_hidden_layers=layers, target_layer_ids=IDS,
+                                   block_size=BLOCK, mask_token_id=MASK)  # fmt: skip
+    drafter = DFlashDrafter(cfg)
+    if std is not None:
+        drafter.reset_parameters(std=std)
+    drafter.set_target(model.model.embed_tokens.weight.detach().clone(), model.lm_head.weight.detach().clone())
+    return drafter.to(torch.float64)
+
+
+def target_data(model, prompts: list[list[int]], new: int = 24):
+    """Greedy continuations of the prompts with the target's states: (ids, loss mask, aux
+    [B, T, len(IDS)*H], greedy [B, T]: argmax z_t)."""
+    target = Target(model, [])
+    seqs = [p + greedy_decode(target, p, new, set()).tokens for p in prompts]
+    target.close()
+    B, T = len(seqs), max(map(len, seqs))
+    ids = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for b, (p, s) in enumerate(zip(prompts, seqs)):
+        ids[b, : len(s)] = torch.tensor(s)
+        mask[b, len(p) : len(s)] = True
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    aux = torch.stack([out.hidden_states[i + 1] for i in IDS], dim=2).flatten(-2)
+    return ids, mask, aux, out.logits.argmax(-1)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A DFlash drafter fitted to the target's greedy continuations of 12 prompts (so that block
+    decoding of those prompts accepts many drafts and exercises every verify path)."""
+    model = tiny_target()
+    prompts = random_prompts(12, model.config.vocab_size, seed=5)
+    ids, mask, aux, greedy = target_data(model, prompts)
+    drafter = make_drafter(model, layers=1, std=None, seed=0)
+    objective = DFlashObjective(drafter, decay=float(np.exp(-1 / 7)))
+    anchors = pad_anchors([choose_anchors(m.numpy(), 10**6, None) for m in mask])
+    opt = torch.optim.Adam(drafter.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(80):
+        loss, _ = objective(ids, mask, aux, None, greedy, None, anchors)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"model": model, "drafter": drafter.eval(), "prompts": prompts, "losses": losses,
+            "data": (ids, mask, aux, greedy)}  # fmt: skip
+
+
+# ---------------------------------------------------------------- model
+
+
+def test_training_blocks_see_exactly_what_inference_drafting_sees():
+    """One forward over many anchored blocks (any grouping) gives each block the hidden states
+    that drafting it alone from a context cache of the rows before its anchor gives."""
+    model = tiny_target()
+    drafter = make_drafter(model)
+    g = torch.Generator().manual_seed(0)
+    T, H = 14, model.config.hidden_size
+    aux = torch.randn(2, T, len(IDS), H, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 60, (2, T), generator=g)
+    anchors = torch.tensor([[0, 3, 7, 12], [2, 9, -1, -1]])  # -1: padding blocks
+    start = anchors.clamp(min=0)
+    block_pos = start[..., None] + torch.arange(BLOCK)
+    block_ids = torch.full((2, 4, BLOCK), MASK)
+    block_ids[..., 0] = torch.gather(ids, 1, start)
+    with torch.no_grad():
+        context_kv = drafter.context_kv(drafter.context(aux), torch.arange(T).expand(2, T))
+        for group in (1, 3, 64):
+            attend = AnchoredBlocks(context_kv, anchors, BLOCK, group=group)
+            hidden = drafter.forward_blocks(block_ids.view(2, -1), block_pos.view(2, -1), attend).view(2, 4, BLOCK, H)
+            for b in range(2):
+                for j, a in enumerate(anchors[b].tolist()):
+                    if a < 0:
+                        continue
+                    cache = ContextCache(drafter.num_layers)
+                    if a > 0:  # the target states of rows 0..a-1, appended in two parts as decoding does
+                        for lo, hi in ((0, a // 2), (a // 2, a)):
+                            if hi > lo:
+                                c = drafter.context(aux[b : b + 1, lo:hi])
+                                cache.append(drafter.context_kv(c, torch.arange(lo, hi)[None]))
+                    alone = drafter.forward_blocks(block_ids[b : b + 1, j], block_pos[b : b + 1, j], cache)
+                    torch.testing.assert_close(hidden[b, j], alone[0], rtol=1e-10, atol=1e-10)
+
+
+def test_spread_layout_is_dflash_s_own():
+    assert spread_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B's reference drafter
+    assert spread_target_layer_ids(32, 1) == [16]
+    assert spread_target_layer_ids(8, 3) == [1, 3, 5]
+
+
+def test_config_round_trip_and_engine_keys():
+    model = tiny_target()
+    cfg = make_drafter(model).config
+    d = cfg.to_dict()
+    assert d["architectures"] == ["DFlashDraftModel"] and d["model_type"] == "qwen3"
+    assert d["dflash_config"] == {"block_size": BLOCK, "target_layer_ids": IDS, "mask_token_id": MASK}
+    assert d["layer_types"] == ["full_attention"] * cfg.num_hidden_layers
+    assert "eagle_config" not in d and "eagle_aux_hidden_state_layer_ids" not in d  # vLLM would read those first
+    assert DFlashConfig.from_dict(json.loads(json.dumps(d))) == cfg
+
+
+# ---------------------------------------------------------------- objective
+
+
+def test_linear_cross_entropy_equals_full_logits_cross_entropy():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    scale = torch.rand(37, generator=g, dtype=torch.float64)
+    ce, pred = LinearCrossEntropy.apply(hidden, weight, labels, 8)  # 5 chunks
+    (ce * scale).sum().backward()
+    grad = hidden.grad.clone()
+    hidden.grad = None
+    logits = hidden @ weight.T
+    reference = F.cross_entropy(logits, labels, reduction="none")
+    (reference * scale).sum().backward()
+    torch.testing.assert_close(ce, reference)
+    torch.testing.assert_close(grad, hidden.grad)
+    assert torch.equal(pred, logits.argmax(-1))
+
+
+def test_anchors_are_loss_positions_with_a_label_after_them():
+    mask = np.array([0, 0, 1, 1, 1, 0, 1, 1], dtype=np.uint8)
+    assert choose_anchors(mask, 100, None).tolist() == [2, 3, 4, 6]  # 7 is last: nothing to draft
+    assert choose_anchors(mask, 2, None).tolist() == [2, 6]  # evenly spaced, deterministic
+    rng = np.random.default_rng(0)
+    picked = choose_anchors(mask, 3, rng)
+    assert len(picked) == 3 and set(picked) <= {2, 3, 4, 6} and list(picked) == sorted(picked)
+    anchors = pad_anchors([np.array([2, 4]), np.array([], dtype=np.int64)])
+    assert anchors.tolist() == [[2, 4], [-1, -1]]
+    loss_mask = torch.from_numpy(np.stack([mask, mask]).astype(bool))
+    # rows k = 1..3 of anchor 2 label positions 3, 4, 5 (m_5 = 0); of anchor 4: 5 (m_5 = 0), 6, 7
+    assert block_label_counts(loss_mask, anchors, 4).tolist() == [1, 2, 1]
+
+
+def test_training_fits_and_statistics_are_decoding_acceptance(trained):
+    """Loss falls; the objective's chain counts over every anchor equal those of drafting each
+    block alone at inference and comparing with the target's greedy continuation."""
+    losses = trained["losses"]
+    assert losses[-1] < 0.3 * losses[0], losses[::10]
+    drafter, (ids, mask, aux, greedy) = trained["drafter"], trained["data"]
+    anchors = pad_anchors([choose_anchors(m.numpy(), 10**6, None) for m in mask])
+    objective = DFlashObjective(drafter, decay=1.0)
+    with torch.no_grad():
+        _, stats = objective(ids, mask, aux, None, greedy, None, anchors)
+    trials, hits = np.zeros(BLOCK - 1), np.zeros(BLOCK - 1)
+    for b in range(ids.shape[0]):
+        T = int(mask[b].nonzero().max()) + 1
+        for a in anchors[b].tolist():
+            if a < 0:
+                continue
+            cache = ContextCache(drafter.num_layers)
+            if a > 0:
+                cache.append(drafter.context_kv(drafter.context(aux[b : b + 1, :a]), torch.arange(a)[None]))
+            block = torch.tensor([[int(ids[b, a])] + [MASK] * (BLOCK - 1)])
+            with torch.no_grad():
+                drafts = drafter.draft(block, torch.arange(a, a + BLOCK)[None], cache)[0, 1:].argmax(-1)
+            for k in range(1, BLOCK):
+                if a + k >= T or not mask[b, a + k]:
+                    break
+                trials[k - 1] += 1
+                if drafts[k - 1] != greedy[b, a + k - 1]:
+                    break
+                hits[k - 1] += 1
+    assert stats[4].tolist() == trials.tolist()  # chain trials
+    assert stats[3].tolist() == hits.tolist()  # chain hits
+    assert hits[0] > 0.5 * trials[0]
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def test_block_decoding_equals_greedy_on_many_prompts(trained):
+    model, drafter = trained["model"], trained["drafter"]
+    target = Target(model, IDS)
+    proposer = DFlashProposer(drafter)
+    prompts = trained["prompts"] + random_prompts(12, model.config.vocab_size, seed=11)
+    accepted = 0
+    try:
+        for prompt in prompts:
+            reference = greedy_decode(target, prompt, 24, set())
+            for k in (1, 2, BLOCK - 1, 7):  # 7 > B-1: the block drafts at most B-1
+                out = speculative_decode(target, proposer, prompt, k, 24, set())
+                assert out.tokens == reference.tokens, (prompt, k)
+                assert max(out.proposed) <= min(k, BLOCK - 1)
+                stats = AcceptanceStats(k)
+                stats.add(out)
+                assert 1.0 <= stats.tau <= min(k, BLOCK - 1) + 1
+                accepted += sum(out.accepted)
+    finally:
+        target.close()
+    assert accepted > 100  # the accept path ran, not only rejections
+
+
+def test_fitted_drafter_beats_prompt_lookup_on_its_prompts(trained):
+    model, drafter = trained["model"], trained["drafter"]
+    target = Target(model, IDS)
+    taus = {}
+    try:
+        for proposer in (DFlashProposer(drafter), NgramProposer()):
+            stats = AcceptanceStats(BLOCK - 1)
+            for prompt in trained["prompts"]:
+                stats.add(speculative_decode(target, proposer, prompt, BLOCK - 1, 24, set()))
+            taus[proposer.name] = stats.tau
+    finally:
+        target.close()
+    assert taus["dflash"] > taus["ngram"] + 0.5, taus
+
+
+# ---------------------------------------------------------------- mask token
+
+
+def test_mask_token_is_chosen_inside_the_embedding():
+    from helpers_tokenizers import build_fast_tokenizer
+
+    tok = build_fast_tokenizer("llama3", vocab_size=300)
+    n = len(tok)
+    assert resolve_mask_token(tok, n + 8) == (n, None)  # the first spare row (SGLang's own choice)
+    assert resolve_mask_token(tok, n, configured=5)[0] == 5
+    with pytest.raises(DraftflowError, match="outside the target vocabulary"):
+        resolve_mask_token(tok, n, configured=n)
+    with pytest.raises(DraftflowError, match="set train.dflash.mask_token_id"):
+        resolve_mask_token(tok, n)  # no spare row, no mask / reserved / pad token
+    tok.add_special_tokens({"pad_token": "<|pad|>"})
+    assert resolve_mask_token(tok, len(tok)) == (tok.pad_token_id, "<|pad|>")
+    tok.add_special_tokens({"additional_special_tokens": ["<|reserved_special_token_0|>"]})
+    reserved = tok.convert_tokens_to_ids("<|reserved_special_token_0|>")
+    assert resolve_mask_token(tok, len(tok)) == (reserved, "<|reserved_special_token_0|>")
+    tok.add_special_tokens({"mask_token": "<|MASK|>"})
+    assert resolve_mask_token(tok, len(tok)) == (tok.mask_token_id, "<|MASK|>")
+
+
+# ---------------------------------------------------------------- training from range folders
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A 4-layer target and range folders storing its layers [0, 1, 2] + final (test_train's)."""
+    from test_train import make_ranges, make_target
+
+    root = tmp_path_factory.mktemp("dflash-train")
+    target = make_target(root / "target")
+    return {
+        "root": root, "target": target, "vocab": None,
+        "train": make_ranges(root / "hs" / "train", target, n=24, seed=1),
+        "eval": make_ranges(root / "hs" / "eval", target, n=6, seed=2, ranges=1),
+    }  # fmt: skip
+
+
+def dflash_settings(**kw) -> dict:
+    from test_train import settings
+
+    base = settings(aux_layer_ids=[1, 2], method="dflash", learning_rate=1e-2)
+    base["dflash"] = {"num_hidden_layers": 1, "block_size": 4, "mask_token_id": 127, "anchors_per_sample": 16}
+    base.update(kw)
+    return base
+
+
+def test_dflash_trains_from_ranges_storing_more_layers(world, tmp_path):
+    from draftflow.drafters.train import TrainInputs, TrainSettings, load_drafter, run_training
+
+    s = TrainSettings.from_dict(dflash_settings(epochs=2))
+    inputs = TrainInputs(world["train"], world["eval"], world["target"], None, tmp_path / "state", tmp_path / "out")
+    summary = run_training(inputs, s)
+    assert 1.0 <= summary["simulated_acceptance_length"] <= 4.0
+    assert len(summary["step_alpha"]) == 3  # block rows 1..3
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_config"] == {"block_size": 4, "target_layer_ids": [1, 2], "mask_token_id": 127}
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert train[-1]["loss"] < train[0]["loss"]
+    drafter, cfg = load_drafter(tmp_path / "out", world["target"])
+    assert isinstance(drafter, DFlashDrafter) and cfg.target_layer_ids == [1, 2]
+    assert drafter.lm_head.weight.abs().sum() > 0  # the target's head, from the target folder
+
+
+def test_a_method_refuses_layers_the_ranges_do_not_store(world, tmp_path):
+    from draftflow.drafters.train import TrainInputs, TrainSettings, run_training
+
+    s = TrainSettings.from_dict(dflash_settings(aux_layer_ids=[1, 3]))
+    inputs = TrainInputs(world["train"], world["eval"], world["target"], None, tmp_path / "state", tmp_path / "out")
+    with pytest.raises(DraftflowError, match=r"index.json.*store aux layers \[0, 1, 2\].*reads aux layers \[1, 3\]"):
+        run_training(inputs, s)
+
+
+def test_dflash_ddp_two_processes_match_one(world, tmp_path):
+    """Anchors are drawn per batch content (not per process) and the loss is normalized by the
+    global label counts: two gloo processes train exactly what one process does."""
+    from test_train import final_state, run_cli, run_inprocess
+
+    extra = {k: v for k, v in dflash_settings().items() if k in ("aux_layer_ids", "method", "dflash", "learning_rate")}
+    world = dict(world, vocab=world["root"] / "unused-vocab")  # run_cli passes --vocab; DFlash ignores it
+    run_inprocess(dict(world, vocab=None), tmp_path / "single", tmp_path / "s1", {**extra, "grad_accum": 2})
+    run_cli(world, tmp_path / "ddp", tmp_path / "s2", extra, torchrun=2)
+    single, latest1 = final_state(tmp_path / "s1")
+    ddp, latest2 = final_state(tmp_path / "s2")
+    assert latest1["step"] == latest2["step"] >= 3
+    diff = max((single[k].float() - ddp[k].float()).abs().max().item() for k in single)
+    assert diff < 1e-5, diff
