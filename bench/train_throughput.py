@@ -18,8 +18,17 @@ attention actually attended (12 x heads x head_dim x visible keys per token per 
 prefix and the chain's own diagonal). Not counted: the target LM head (reported as
 target_head_flops_per_token), masked-out attention work, norms and softmax.
 
-    python bench/train_throughput.py            # GPU: 8B shape (H200: a few minutes)
-    python bench/train_throughput.py --tiny     # any machine, seconds (CPU if no CUDA)
+--method dflash: a DFlash drafter for the same target instead (5 Qwen3-style layers reading 5
+target layers spread from 1 to N-3, as the reference Qwen3-8B drafter; block 16; 512 anchors per
+sample; the target's LM head over the whole vocabulary), with its real objective
+(draftflow.drafters.dflash_loss) and data loader (anchors drawn in collate). Its model FLOPs:
+fc + per-layer context K/V over every sample token, 6 x layer parameters per block row, causal-free
+attention over the visible context + the block, and 4 x H x V per labelled row (the frozen LM head:
+forward and input gradient). Tokens/s counts sample tokens (as EAGLE-3's), not block rows.
+
+    python bench/train_throughput.py                   # GPU: 8B shape (H200: a few minutes)
+    python bench/train_throughput.py --method dflash   # the same for DFlash
+    python bench/train_throughput.py --tiny [--method dflash]   # any machine, seconds (CPU if no CUDA)
 
 Prints one JSON line.
 """
@@ -41,6 +50,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
+from draftflow.drafters.dflash import DFlashConfig, DFlashDrafter, loss_decay, spread_target_layer_ids  # noqa: E402
+from draftflow.drafters.dflash_loss import ArgmaxHead, DFlashObjective  # noqa: E402
 from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
 from draftflow.hidden_states.storage import HiddenStateReader, SampleStore, encode_sample, sample_key, write_range_index  # noqa: E402
 from draftflow.drafters.train import (  # noqa: E402
@@ -54,8 +65,9 @@ LLAMA_31_8B = {
     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                      "original_max_position_embeddings": 8192},
 }  # fmt: skip
+LLAMA_31_8B["num_hidden_layers"] = 32
 TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
-        "vocab_size": 1024, "rms_norm_eps": 1e-5, "max_position_embeddings": 1024}  # fmt: skip
+        "vocab_size": 1024, "rms_norm_eps": 1e-5, "max_position_embeddings": 1024, "num_hidden_layers": 8}  # fmt: skip
 PEAK_BF16_TFLOPS = {"H200": 989.5, "H100": 989.5, "A100": 312.0}  # dense, SXM
 
 
@@ -63,11 +75,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny shapes: a quick check on CPU")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default 2048; tiny 128)")
-    p.add_argument("--batch-tokens", type=int, help="padded tokens per step (default 16384; tiny 512)")
+    p.add_argument("--batch-tokens", type=int, help="padded tokens per step (default 16384, dflash 8192; tiny 512)")
     p.add_argument("--samples", type=int, help="samples on disk (default 48; tiny 16)")
     p.add_argument("--steps", type=int, help="timed steps per phase (default 20; tiny 3)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 3; tiny 1)")
+    p.add_argument("--method", choices=["eagle3", "dflash"], default="eagle3")
     p.add_argument("--ttt-steps", type=int, default=7)
+    p.add_argument("--dflash-layers", type=int, help="DFlash draft layers (default 5; tiny 2)")
+    p.add_argument("--block-size", type=int, help="DFlash block size (default 16; tiny 8)")
+    p.add_argument("--anchors", type=int, help="DFlash anchors per sample (default 512; tiny 32)")
     p.add_argument("--draft-vocab", type=int, help="default 32000; tiny 256")
     p.add_argument("--workers", type=int, default=8, help="DataLoader worker processes")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="train.compile (auto: on CUDA)")
@@ -77,26 +93,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     t = a.tiny
     a.seq_len = a.seq_len or (128 if t else 2048)
-    a.batch_tokens = a.batch_tokens or (512 if t else 16384)
+    # DFlash: 512 blocks of 16 rows per 2048-token sample make a batch 4x as many rows as tokens
+    a.batch_tokens = a.batch_tokens or (512 if t else 8192 if a.method == "dflash" else 16384)
     a.samples = a.samples or (16 if t else 48)
     a.steps = a.steps or (3 if t else 20)
     a.warmup = a.warmup if a.warmup is not None else (1 if t else 3)
     a.draft_vocab = a.draft_vocab or (256 if t else 32000)
+    a.dflash_layers = a.dflash_layers or (2 if t else 5)
+    a.block_size = a.block_size or (8 if t else 16)
+    a.anchors = a.anchors or (32 if t else 512)
     if t:
         a.ttt_steps = min(a.ttt_steps, 3)
         a.workers = min(a.workers, 1)
     return a
 
 
-def fabricate(root: Path, n: int, T: int, H: int, V: int) -> tuple[Path, float]:
-    """n samples of T tokens, random bf16 hidden [T, 4, H], through the storage API. Returns (range dir, stored/raw)."""
+def fabricate(root: Path, n: int, T: int, H: int, V: int, L: int = 4) -> tuple[Path, float]:
+    """n samples of T tokens, random bf16 hidden [T, L, H], through the storage API. Returns (range dir, stored/raw)."""
     store = SampleStore(root / "store")
 
     def one(i: int):
         g = torch.Generator().manual_seed(i)
         ids = torch.randint(0, V, (T,), generator=g).numpy()
         mask = (np.arange(T) >= T // 4).astype(np.uint8)
-        hidden = torch.randn(T, 4, H, generator=g).to(torch.bfloat16)
+        hidden = torch.randn(T, L, H, generator=g).to(torch.bfloat16)
         key = sample_key("bench", ids)
         return store.put(key, encode_sample(ids, mask, hidden)).entry(f"bench-{i}", key)
 
@@ -104,7 +124,7 @@ def fabricate(root: Path, n: int, T: int, H: int, V: int) -> tuple[Path, float]:
         entries = list(pool.map(one, range(n)))
     range_dir = root / "rows_0"
     write_range_index(range_dir, entries, {"settings_digest": "bench", "store_root": str(root / "store"),
-                                           "num_layers_captured": 4, "hidden_size": H})  # fmt: skip
+                                           "num_layers_captured": L, "hidden_size": H})  # fmt: skip
     return range_dir, sum(e.nbytes for e in entries) / sum(e.raw_nbytes for e in entries)
 
 
@@ -123,6 +143,32 @@ def model_flops_per_token(cfg: Eagle3Config, ttt_steps: int, T: int) -> float:
     return matmul + attention
 
 
+def dflash_flops_per_token(cfg: DFlashConfig, T: int, anchors: int) -> float:
+    """Model FLOPs per sample token of one DFlash step (see the module docstring)."""
+    H, I, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim, \
+        cfg.num_key_value_heads * cfg.head_dim  # fmt: skip
+    L, B, K = cfg.num_hidden_layers, cfg.block_size, len(cfg.target_layer_ids)
+    n = min(anchors, T)  # anchors per sample (every loss position when fewer)
+    layer = H * q + 2 * H * kv + q * H + 3 * H * I
+    context = 4 * K * H * H + L * 6 * (2 * H * kv)  # fc (input needs no gradient), context K/V
+    visible = (T - 1) / 2 + B  # mean context before a uniform anchor, plus the block
+    rows = n * B * (L * 6 * layer + 12 * q * visible * L) + n * (B - 1) * 4 * H * cfg.vocab_size
+    return context + rows / T
+
+
+def build_dflash(a, shape: dict, device, dtype):
+    ids = spread_target_layer_ids(shape["num_hidden_layers"], a.dflash_layers)
+    cfg = DFlashConfig.from_target(shape, num_hidden_layers=a.dflash_layers, target_layer_ids=ids,
+                                   block_size=a.block_size, mask_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg)
+    V, H = cfg.vocab_size, cfg.hidden_size
+    head_weight = torch.randn(V, H, dtype=dtype) * 0.02
+    drafter.set_target(torch.randn(V, H, dtype=dtype) * 0.02, head_weight)
+    head = ArgmaxHead(head_weight).to(device)
+    return cfg, drafter, head
+
+
 def main(argv=None) -> None:
     a = parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -130,31 +176,43 @@ def main(argv=None) -> None:
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
     shape = TINY if a.tiny else LLAMA_31_8B
-    cfg = Eagle3Config.from_target(
-        shape, draft_vocab_size=a.draft_vocab, aux_layer_ids=[1, 15, 28], ttt_steps=a.ttt_steps
-    )
+    dtype = torch.bfloat16 if cuda else torch.float32
+    compiled = use_compile({"on": True, "off": False}.get(a.compile, "auto"), device)
+    if a.method == "dflash":
+        cfg, drafter, head = build_dflash(a, shape, device, dtype)
+        aux_ids = tuple(cfg.target_layer_ids)
+    else:
+        aux_ids = (1, 15, 28)
+        cfg = Eagle3Config.from_target(shape, draft_vocab_size=a.draft_vocab, aux_layer_ids=list(aux_ids),
+                                       ttt_steps=a.ttt_steps)  # fmt: skip
     H, V = cfg.hidden_size, cfg.vocab_size
 
     root = Path(tempfile.mkdtemp(prefix="draftflow-train-bench-", dir=a.data_dir))
     try:
         t0 = time.perf_counter()
-        range_dir, ratio = fabricate(root, a.samples, a.seq_len, H, V)
+        range_dir, ratio = fabricate(root, a.samples, a.seq_len, H, V, L=len(aux_ids) + 1)
         fabricate_s = time.perf_counter() - t0
 
-        torch.manual_seed(0)
-        drafter = Eagle3Drafter(cfg)
-        dtype = torch.bfloat16 if cuda else torch.float32
-        drafter.embed_tokens.weight = torch.randn(V, H, dtype=dtype) * 0.02
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[torch.randperm(V)[: a.draft_vocab]] = True
-        drafter.set_vocab(torch.nonzero(t2d)[:, 0] - torch.arange(a.draft_vocab), t2d)
-        head = TargetHead(torch.randn(V, H, dtype=dtype) * 0.02, t2d).to(device)
-        drafter.to(device)
-        compiled = use_compile({"on": True, "off": False}.get(a.compile, "auto"), device)
-        objective = TTTObjective(drafter, a.ttt_steps, 0.8, compile=compiled)
-        s = TrainSettings(
-            aux_layer_ids=(1, 15, 28), ttt_steps=a.ttt_steps, batch_tokens=a.batch_tokens, num_workers=a.workers
-        )
+        if a.method == "dflash":
+            drafter.to(device)
+            dflash = {"num_hidden_layers": a.dflash_layers, "block_size": a.block_size, "mask_token_id": 0,
+                      "anchors_per_sample": a.anchors}  # fmt: skip
+            s = TrainSettings(aux_layer_ids=aux_ids, batch_tokens=a.batch_tokens, num_workers=a.workers,
+                              method="dflash", dflash=dflash)  # fmt: skip
+            objective = DFlashObjective(drafter, loss_decay(7.0), compile=compiled)
+        else:
+            torch.manual_seed(0)
+            drafter = Eagle3Drafter(cfg)
+            drafter.embed_tokens.weight = torch.randn(V, H, dtype=dtype) * 0.02
+            t2d = torch.zeros(V, dtype=torch.bool)
+            t2d[torch.randperm(V)[: a.draft_vocab]] = True
+            drafter.set_vocab(torch.nonzero(t2d)[:, 0] - torch.arange(a.draft_vocab), t2d)
+            head = TargetHead(torch.randn(V, H, dtype=dtype) * 0.02, t2d).to(device)
+            drafter.to(device)
+            objective = TTTObjective(drafter, a.ttt_steps, 0.8, compile=compiled)
+            s = TrainSettings(
+                aux_layer_ids=aux_ids, ttt_steps=a.ttt_steps, batch_tokens=a.batch_tokens, num_workers=a.workers
+            )
         total = a.warmup + 2 * a.steps
         opt, sched = make_optimizer(drafter, s, total, fused=cuda)
         env = DistEnv(device=device)
@@ -162,7 +220,7 @@ def main(argv=None) -> None:
         reader = HiddenStateReader([range_dir])
         epochs = math.ceil((a.warmup + a.steps) / max(1, len(plan_batches(reader.lengths, a.batch_tokens, 0, 0))))
         batches = [b for e in range(epochs + 1) for b in plan_batches(reader.lengths, a.batch_tokens, 0, e)]
-        loader = iter(make_loader(reader, batches, s, device))
+        loader = iter(make_loader(reader, batches, s, device, epoch=0))
 
         def sync():
             if cuda:
@@ -213,7 +271,10 @@ def main(argv=None) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
     tokens_per_s = tokens / wall
-    flops = model_flops_per_token(cfg, a.ttt_steps, a.seq_len)
+    if a.method == "dflash":
+        flops = dflash_flops_per_token(cfg, a.seq_len, a.anchors)
+    else:
+        flops = model_flops_per_token(cfg, a.ttt_steps, a.seq_len)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = a.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
     result = {
@@ -221,7 +282,11 @@ def main(argv=None) -> None:
         "device": name,
         "torch": torch.__version__,
         "shape": "tiny" if a.tiny else "llama-3.1-8b",
-        "hidden_size": H, "draft_vocab": a.draft_vocab, "target_vocab": V, "ttt_steps": a.ttt_steps,
+        "method": a.method,
+        "hidden_size": H, "target_vocab": V,
+        **({"draft_layers": a.dflash_layers, "block_size": a.block_size, "anchors_per_sample": a.anchors,
+            "target_layer_ids": list(aux_ids), "draft_vocab": V} if a.method == "dflash" else
+           {"draft_vocab": a.draft_vocab, "ttt_steps": a.ttt_steps}),
         "seq_len": a.seq_len, "batch_tokens": a.batch_tokens, "workers": a.workers,
         "compile": compiled, "steps": a.steps,
         "tokens_per_s": round(tokens_per_s, 1),

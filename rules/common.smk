@@ -251,7 +251,8 @@ def resolved_aux_layer_ids():
 
 def dflash_layer_ids():
     """train.dflash.target_layer_ids resolved: null = the layers extraction stores anyway,
-    spread = DFlash's own layout for this target, or the list (checked against the target)."""
+    spread = DFlash's own layout for this target, or the list (checked against the target).
+    """
     from draftflow.drafters.dflash import spread_target_layer_ids
     from draftflow.hidden_states.plan import resolve_aux_layer_ids
 
@@ -293,12 +294,16 @@ def captured_layer_ids():
 def train_settings(method: str) -> dict:
     """The `train` subtree for one method: shared keys, the method, the layers it reads; DFlash
     also gets its own subtree (EAGLE-3's stays as it was before methods existed)."""
-    settings = {k: v for k, v in config["train"].items() if k not in ("methods", "dflash")}
+    settings = {
+        k: v for k, v in config["train"].items() if k not in ("methods", "dflash")
+    }
     settings["aux_layer_ids"] = method_layer_ids(method)
     if method == "dflash":
         settings["method"] = method
         settings["dflash"] = {
-            k: v for k, v in config["train"]["dflash"].items() if k != "target_layer_ids"
+            k: v
+            for k, v in config["train"]["dflash"].items()
+            if k != "target_layer_ids"
         }
     return settings
 

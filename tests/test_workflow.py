@@ -45,6 +45,22 @@ def test_dry_run_examples_with_absent_data(workflow_copy, example):
     assert not Path(config["results"]).exists()
 
 
+def test_two_methods_overlay_plans_each_drafter_once_from_one_pipeline(workflow_copy):
+    """config/two-methods.yaml on the default: one build, merge and vocab, a train / evaluate /
+    export / figure per method, one comparison figure; the default trains EAGLE-3 only."""
+    default = planned_jobs(snakemake(workflow_copy, "-n").stdout)
+    assert len(default["train"]) == len(default["evaluate"]) == len(default["export"]) == 1
+    proc = snakemake(workflow_copy, "-n", "--configfile", "config/config.yaml", "config/two-methods.yaml")
+    jobs = planned_jobs(proc.stdout)
+    assert {r: len(jobs[r]) for r in ("train", "evaluate", "export", "plot_training", "plot_acceptance")} == dict.fromkeys(
+        ("train", "evaluate", "export", "plot_training", "plot_acceptance"), 2
+    )
+    assert len(jobs["vocab"]) == len(jobs["merge"]) == len(jobs["plot_methods"]) == 1
+    assert jobs.keys() - default.keys() == set() and len(jobs["prepare"]) == len(default["prepare"])
+    for method in ("eagle3", "dflash"):
+        assert f"results/drafter/{method}" in proc.stdout and f"results/eval/{method}/acceptance.json" in proc.stdout
+
+
 def test_disabled_dataset_is_not_planned(workflow_copy):
     proc = snakemake(workflow_copy, "-n", "--configfile", "config/examples/kimi-k2.5.yaml")
     assert "A1_deepswekimi" not in proc.stdout
