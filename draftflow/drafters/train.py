@@ -109,7 +109,7 @@ class TrainSettings:
             raise DraftflowError(f"train --settings: 'method' must be one of {list(METHODS)}, got {values['method']!r}")
         s = cls(**values)
         if s.method == "dflash":
-            s.dflash_settings  # validates
+            DFlashSettings.from_dict(s.dflash)  # refuses unknown or invalid keys now, not mid-run
         if list(s.aux_layer_ids) != sorted(set(s.aux_layer_ids)):
             raise DraftflowError(
                 f"train --settings: 'aux_layer_ids' {list(s.aux_layer_ids)} must be strictly increasing: "
