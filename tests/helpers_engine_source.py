@@ -35,6 +35,11 @@ PINNED: dict[tuple[str, str], dict[str, str]] = {
         "sglang/srt/models/llama.py": "39af0c619a70bd9adfb5711f11396116f9f8caa146fa2a0e7a242720f6ca4c49",
         "sglang/srt/layers/layernorm.py": "5c18eb97e1f101476bb54e2ec7270be496ccae4ccd86a68f5bc8e2f744473a0e",
         "sglang/srt/layers/activation.py": "435be17d6dfc6f86c52f17c56cf67dcbed58534b1d7b46800df16b626518777c",
+        # DFlash (tests/helpers_dflash_engines.py)
+        "sglang/srt/models/dflash.py": "dc6085ee61e1c82c98bc11719b7d4a1252ab47485dd8251ecac9f2b5cbf6fe77",
+        "sglang/srt/speculative/dflash_utils.py": "80d9edc2e83b4cd86c05ae27e4c9d960a318e5e99dd14c9e91ee89a287565249",
+        "sglang/srt/models/utils.py": "f040ef267b81a5fb8b71174e0a702f8ac4a8339249299675106845033bfb1124",
+        "sglang/srt/utils/hf_transformers/common.py": "07c06ada18b78b1901eaca49bc5eeac224f8f8407f7a854ee50fc9e026c990d2",
     },
     ("sglang", "0.5.23"): {
         "sglang/srt/models/llama_eagle3.py": "b25e5f839b088ddf50138bce4a3c4569acc31f8203727b9a7e2a53c337287dac",
@@ -53,6 +58,11 @@ PINNED: dict[tuple[str, str], dict[str, str]] = {
         "vllm/transformers_utils/configs/speculators/algos.py": "d38a5881284de45c8f121375c4a74cccb24f9cd6a0e4d39f6f165075b0e4dfe3",
         "vllm/transformers_utils/config.py": "f3b50c2d4103cc2fd4daaa082ce1186d24b0bd405f7197c14ccda86238e18165",
         "vllm/config/utils.py": "2d3ae76b61c478f920744fa1521afc2b5e3c567d25106bee87906ac5822f7a4b",
+        # DFlash (tests/helpers_dflash_engines.py)
+        "vllm/model_executor/models/qwen3_dflash.py": "7d82a64adbc8762757336d166f91014c1fae9757b6b765eaf94c769d54f71928",
+        "vllm/model_executor/models/qwen2.py": "8a4fab416b44bc2d3a9a00d37b809bf30e0d8843c147348099e639570cb18cbe",
+        "vllm/transformers_utils/configs/eagle.py": "a150d5347cf7c7b53ce8d7e6711c2e85656df1ceeef28c921f90b52946b7203a",
+        "vllm/v1/worker/gpu_model_runner.py": "6c92ded8468f44d6df863a617ce588f132fa6df7031feecc0cc421702a41610e",
     },
     ("vllm", "0.33.0"): {
         "vllm/model_executor/models/llama_eagle3.py": "f669995647e71998abe721c2bc215f0ac462838bddc3d721fba8dc0aaae5d3b9",

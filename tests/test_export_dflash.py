@@ -1,20 +1,24 @@
-"""DFlash export: the names, shapes and config keys SGLang 0.5.14's `DFlashDraftModel` and vLLM
-0.25.1's `DFlashQwen3ForCausalLM` read (their loaders' name handling written out below from the
-released source, see draftflow/engines/export_dflash.py), the launch commands, and refusals."""
+"""DFlash export, checked against the released code of the pinned engines (SGLang 0.5.14's
+`DFlashDraftModel`, vLLM 0.25.1's `DFlashQwen3ForCausalLM`, run on CPU by
+tests/helpers_dflash_engines.py from their wheels' source, fetched from PyPI once): their config
+parsing, constructors and load_weights take every exported tensor and leave nothing unset, their
+target-capture ids are ours + 1, and their block draft equals ours; plus the launch commands and
+refusals."""
 
 from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from draftflow.cli import main as cli_main
-from draftflow.drafters.dflash import DFlashConfig, DFlashDrafter
+from draftflow.drafters.dflash import ContextCache, DFlashConfig, DFlashDrafter
 from draftflow.drafters.train import load_drafter, save_drafter
-from test_export import run_launch, unstack
+from test_export import run_launch
 from test_speculative import tiny_target
 
 V, LAYERS, IDS, BLOCK, MASK = 64, 6, [1, 2, 4], 8, 60
@@ -44,130 +48,146 @@ def export(tmp, out: str, check: bool = True, **settings) -> dict | int:
     return json.loads((tmp / out / "export.json").read_text())
 
 
-def layer_params(c: dict, prefix: str) -> dict[str, tuple]:
-    """One DFlash decoder layer as both engines build it: fused qkv_proj (q | k | v rows) and
-    gate_up_proj, o_proj, down_proj, per-head q_norm / k_norm, the two layer norms."""
-    H, I, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
-    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    out = {}
-    for i in range(c["num_hidden_layers"]):
-        p = f"{prefix}layers.{i}."
-        out.update({
-            p + "self_attn.qkv_proj.weight": (q + 2 * kv, H), p + "self_attn.o_proj.weight": (H, q),
-            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-            p + "mlp.gate_up_proj.weight": (2 * I, H), p + "mlp.down_proj.weight": (H, I),
-            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-        })  # fmt: skip
-    return out
-
-
-# ---------------------------------------------------------------- SGLang
-
-
-def sglang_params(c: dict) -> dict[str, tuple]:
-    """DFlashDraftModel.named_parameters() (python/sglang/srt/models/dflash.py): layers.*, norm,
-    fc [H, K·H] with K = len(dflash_config.target_layer_ids), hidden_norm; no embedding, no
-    lm_head (the worker uses the target's)."""
-    H, K = c["hidden_size"], len(c["dflash_config"]["target_layer_ids"])
-    return {**layer_params(c, ""), "norm.weight": (H,), "fc.weight": (H, K * H), "hidden_norm.weight": (H,)}
-
-
-def sglang_load(params: dict, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
-    """DFlashDraftModel.load_weights: `.q/k/v_proj.` -> qkv_proj and `.gate/up_proj.` -> gate_up_proj
-    (shards); a name is tried as given, then with / without `model.`; a name that resolves to no
-    parameter is silently skipped, so every tensor must resolve."""
-    loaded: dict[str, dict] = {}
-    for name, w in tensors.items():
-        name, shard = unstack(name)
-        resolved = name if name in params else (name.removeprefix("model.") if name.startswith("model.") else f"model.{name}")
-        assert resolved in params, f"SGLang would silently skip {name}"
-        assert shard not in loaded.setdefault(resolved, {}), f"{resolved} loaded twice"
-        loaded[resolved][shard] = tuple(w.shape)
-    return loaded
-
-
 def check_dflash_config(c: dict) -> None:
-    """parse_dflash_draft_config (speculative/dflash_utils.py) and the model's own reads."""
+    """The keys both engines read, with the values they must have for this drafter."""
     d = c["dflash_config"]
-    assert c["architectures"] == ["DFlashDraftModel"]  # the EntryClass; vLLM's registry key too
-    assert c["model_type"] == "qwen3"  # AutoConfig must build it (vLLM wraps it in EAGLEConfig)
-    assert isinstance(c["num_hidden_layers"], int) and c["num_hidden_layers"] >= 1
+    assert c["architectures"] == ["DFlashDraftModel"]  # SGLang's EntryClass; vLLM's registry key
+    assert c["model_type"] == "qwen3"  # AutoConfig must build it (vLLM then wraps it in EAGLEConfig)
     assert d["block_size"] == c["block_size"] == BLOCK
-    assert d["target_layer_ids"] == IDS and all(0 <= i < c["num_target_layers"] for i in IDS)
-    assert c["num_target_layers"] == LAYERS
-    assert isinstance(d["mask_token_id"], int) and not isinstance(d["mask_token_id"], bool) and 0 <= d["mask_token_id"] < V
+    assert d["target_layer_ids"] == IDS and c["num_target_layers"] == LAYERS
+    assert isinstance(d["mask_token_id"], int) and 0 <= d["mask_token_id"] < V
     assert c["layer_types"] == ["full_attention"] * c["num_hidden_layers"]  # SGLang ENCODER_ONLY, vLLM non-causal
-    assert c["hidden_act"] == "silu" and c["intermediate_size"] > 0 and c["attention_bias"] is False
     assert c["vocab_size"] == V and "draft_vocab_size" not in c  # vLLM: no draft_id_to_target_id
     # vLLM's gpu_model_runner takes these before dflash_config.target_layer_ids + 1
     assert "eagle_aux_hidden_state_layer_ids" not in c and "eagle_config" not in c
     assert "causal" not in d and "use_swa" not in d
 
 
-def test_sglang_export_has_the_names_shapes_and_keys_dflash_draft_model_reads(saved):
+# ---------------------------------------------------------------- the released engines
+
+SHAPES = [(1, [1, 2, 4]), (2, [1, 2, 4]), (2, [2, 3])]  # (draft layers, target layers)
+
+
+@pytest.fixture(scope="module")
+def engines_target(tmp_path_factory):
+    """A target with a non-default RoPE base (the engines must read the drafter's own)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from helpers_engine_source import SourceUnavailable, engine_source
+
+    try:
+        engine_source("sglang", "0.5.14"), engine_source("vllm", "0.25.1")
+    except SourceUnavailable as e:
+        pytest.fail(str(e))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("dflash-engines")
+    model.save_pretrained(path / "target")
+    return path, model
+
+
+def exported(root, model, layers: int, ids: list[int], dtype: str = "float32"):
+    """A random DFlash drafter of this shape, saved and exported; returns (drafter, export folder)."""
+    folder = root / f"l{layers}-{'-'.join(map(str, ids))}-{dtype}"
+    cfg = DFlashConfig.from_target(model.config.to_dict(), num_hidden_layers=layers, target_layer_ids=ids,
+                                   block_size=5, mask_token_id=MASK)  # fmt: skip
+    torch.manual_seed(layers)
+    drafter = DFlashDrafter(cfg)
+    drafter.reset_parameters(std=0.3)
+    drafter.set_target(model.model.embed_tokens.weight.detach().clone(), model.lm_head.weight.detach().clone())
+    save_drafter(drafter, folder / "drafter", dtype=torch.float32)
+    args = ["export", "--drafter", str(folder / "drafter"), "--target", str(root / "target"),
+            "--settings", json.dumps({"dtype": dtype, "aux_layer_ids": ids}), "--output-dir", str(folder / "out")]  # fmt: skip
+    assert cli_main(args) == 0
+    return drafter.eval(), folder / "out"
+
+
+def our_block(drafter, aux, n: int):
+    """Our drafter's logits [B, V] for the block [token 5, masks] after n context rows."""
+    cache = ContextCache(drafter.num_layers)
+    block = torch.tensor([5] + [MASK] * (drafter.block_size - 1))
+    with torch.no_grad():
+        cache.append(drafter.context_kv(drafter.context(aux[None]), torch.arange(n)[None]))
+        return drafter.draft(block[None], torch.arange(n, n + drafter.block_size)[None], cache)[0], block
+
+
+@pytest.mark.parametrize("layers, ids", SHAPES, ids=[f"l{a}-t{len(b)}" for a, b in SHAPES])
+def test_sglang_0_5_14_loads_the_export_and_drafts_what_we_draft(engines_target, layers, ids):
+    """SGLang's released DFlashDraftModel: every exported tensor loads (none skipped, no parameter
+    left unset), its parsed config gives our layers / block / mask token, the target capture is
+    the input of layer i + 1, and its block draft equals ours."""
+    import helpers_dflash_engines as engines
+    from helpers_engine_source import engine_source, load_method
+    from helpers_engines import unloaded
+
+    root, model = engines_target
+    drafter, out = exported(root, model, layers, ids)
+    sg, loads = engines.sglang_dflash("0.5.14", out / "sglang")
+    assert engines.sglang_load(sg, loads, load_file(str(out / "sglang" / "model.safetensors"))) == []
+    assert unloaded(sg, loads, ()) == {}
+    assert sg.block_size == 5 and sg.num_context_features == len(ids)
+    parse = sg.__init__.__globals__["parse_dflash_draft_config"]
+    parsed = parse(draft_hf_config=sg.config)
+    assert parsed.resolve_target_layer_ids(target_num_layers=LAYERS) == ids and parsed.mask_token_id == MASK
+    capture = load_method(engine_source("sglang", "0.5.14") / "sglang/srt/models/llama.py", "LlamaForCausalLM",
+                          "set_dflash_layers_to_capture", {})  # fmt: skip
+    target = SimpleNamespace(pp_group=SimpleNamespace(is_last_rank=True), model=SimpleNamespace())
+    capture(target, ids)
+    assert target.model.layers_to_capture == [i + 1 for i in ids]  # = our aux ids (DESIGN.md §3)
+
+    aux = torch.randn(7, len(ids) * 32, generator=torch.Generator().manual_seed(1))
+    ours, block = our_block(drafter, aux, 7)
+    theirs = engines.sglang_draft(sg, aux, torch.arange(7), block, torch.arange(7, 12),
+                                  model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach())  # fmt: skip
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layers, ids", SHAPES, ids=[f"l{a}-t{len(b)}" for a, b in SHAPES])
+def test_vllm_0_25_1_loads_the_export_and_drafts_what_we_draft(engines_target, layers, ids):
+    """vLLM's released DFlashQwen3ForCausalLM (config through its EAGLEConfig): every tensor
+    loads, only the target-shared embedding / LM head (and the optional mask embedding) stay
+    unset, its runner captures aux ids target_layer_ids + 1, and its block draft equals ours."""
+    import helpers_dflash_engines as engines
+    from helpers_engine_source import engine_source, load_method
+    from helpers_engines import unloaded
+
+    root, model = engines_target
+    drafter, out = exported(root, model, layers, ids)
+    vl, loads = engines.vllm_dflash("0.25.1", out / "vllm", LAYERS, V)
+    vl.load_weights(load_file(str(out / "vllm" / "model.safetensors")).items())
+    assert not getattr(vl, "has_own_lm_head", False) and not getattr(vl, "has_own_embed_tokens", False)
+    assert unloaded(vl, loads, ("model.embed_tokens.weight", "lm_head.weight", "model.mask_embedding")) == {}
+    assert vl.model.fc.weight.shape == (32, len(ids) * 32)
+    runner = load_method(engine_source("vllm", "0.25.1") / "vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner",
+                         "_get_eagle3_aux_layers_from_config", {})  # fmt: skip
+    spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=vl.config))
+    assert runner(SimpleNamespace(speculative_config=spec)) == tuple(i + 1 for i in ids)  # vLLM id j = input of layer j
+
+    aux = torch.randn(7, len(ids) * 32, generator=torch.Generator().manual_seed(1))
+    ours, block = our_block(drafter, aux, 7)
+    theirs = engines.vllm_draft(vl, aux, torch.arange(7), block, torch.arange(7, 12),
+                                model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach())  # fmt: skip
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_default_bfloat16_export_has_the_keys_and_dtypes(saved):
     manifest = export(saved, "out")
-    folder = saved / "out" / "sglang"
-    c = json.loads((folder / "config.json").read_text())
-    check_dflash_config(c)
-    tensors = load_file(str(folder / "model.safetensors"))
-    assert not any("embed" in k or "lm_head" in k for k in tensors), sorted(tensors)
-    params = sglang_params(c)
-    loaded = sglang_load(params, tensors)
-    assert set(loaded) == set(params)
-    H, hd = c["hidden_size"], c["head_dim"]
-    kv = (c["num_key_value_heads"] * hd, H)
-    assert loaded["layers.0.self_attn.qkv_proj.weight"] == {"q": (c["num_attention_heads"] * hd, H), "k": kv, "v": kv}
-    assert loaded["layers.1.mlp.gate_up_proj.weight"] == {0: (c["intermediate_size"], H), 1: (c["intermediate_size"], H)}
-    for name, shards in loaded.items():
-        if None in shards:
-            assert shards[None] == params[name], name
-    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    for engine in ("sglang", "vllm"):
+        folder = saved / "out" / engine
+        check_dflash_config(json.loads((folder / "config.json").read_text()))
+        tensors = load_file(str(folder / "model.safetensors"))
+        assert not any("embed" in k or "lm_head" in k for k in tensors), sorted(tensors)
+        assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+        assert manifest[engine]["captures_input_of_layers"] == [i + 1 for i in IDS]
     assert manifest["method"] == "dflash" and manifest["block_size"] == BLOCK
-    assert manifest["sglang"]["captures_input_of_layers"] == [i + 1 for i in IDS]  # set_dflash_layers_to_capture
-
-
-# ---------------------------------------------------------------- vLLM
-
-
-def vllm_params(c: dict) -> dict[str, tuple]:
-    """DFlashQwen3ForCausalLM (vllm/model_executor/models/qwen3_dflash.py): model.layers.*,
-    model.fc [H, len(target_layer_ids) · (target_hidden_size or H)], model.hidden_norm,
-    model.norm; embed_tokens / lm_head come from the target when the checkpoint lacks them."""
-    H, K = c["hidden_size"], len(c["dflash_config"]["target_layer_ids"])
-    fc_in = K * (c.get("target_hidden_size") or H)
-    return {**layer_params(c, "model."), "model.fc.weight": (H, fc_in), "model.hidden_norm.weight": (H,),
-            "model.norm.weight": (H,)}  # fmt: skip
-
-
-def vllm_load(params: dict, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
-    """load_weights: t2d skipped, d2t renamed, `model.` prepended unless lm_head; then the inner
-    model: `midlayer.` -> `layers.0.`, stacked q/k/v and gate/up, params_dict[name] (KeyError if absent)."""
-    loaded: dict[str, dict] = {}
-    for name, w in tensors.items():
-        assert "mask_hidden" not in name and "d2t" not in name and "t2d" not in name
-        if "lm_head" not in name:
-            name = "model." + name
-        name, shard = unstack(name.replace("midlayer.", "layers.0."))
-        assert name in params, f"vLLM has no parameter {name}"
-        assert shard not in loaded.setdefault(name, {}), f"{name} loaded twice"
-        loaded[name][shard] = tuple(w.shape)
-    return loaded
-
-
-def test_vllm_export_has_the_names_shapes_and_keys_qwen3_dflash_reads(saved):
-    manifest = export(saved, "out-v")
-    folder = saved / "out-v" / "vllm"
-    c = json.loads((folder / "config.json").read_text())
-    check_dflash_config(c)
-    params = vllm_params(c)
-    loaded = vllm_load(params, load_file(str(folder / "model.safetensors")))
-    assert set(loaded) == set(params)
-    for name, shards in loaded.items():
-        if None in shards:
-            assert shards[None] == params[name], name
-    # gpu_model_runner: aux ids = dflash_config.target_layer_ids + 1 (vLLM id j = input of layer j)
-    assert manifest["vllm"]["captures_input_of_layers"] == [i + 1 for i in c["dflash_config"]["target_layer_ids"]]
-    assert (saved / "out-v" / "sglang" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+    assert (saved / "out" / "sglang" / "model.safetensors").read_bytes() == (
+        saved / "out" / "vllm" / "model.safetensors"
+    ).read_bytes()
 
 
 def test_launch_scripts_run_the_exact_dflash_server_commands(saved, tmp_path):
