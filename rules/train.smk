@@ -46,7 +46,10 @@ rule train:
             if w.method == "dflash"
             else f"--vocab {input.vocab}"
         ),
-        state=f"{STATE}/train",
+        # EAGLE-3 keeps the state folder it had before methods existed (a resume stays valid)
+        state=lambda w: (
+            f"{STATE}/train" if w.method == "eagle3" else f"{STATE}/train-{w.method}"
+        ),
         nodes=config["train"]["nodes"],
         gpus=config["train"]["gpus"],
     shell:
