@@ -271,24 +271,54 @@ def test_fitted_drafter_beats_prompt_lookup_on_its_prompts(trained):
 # ---------------------------------------------------------------- mask token
 
 
-def test_mask_token_is_chosen_inside_the_embedding():
+def test_mask_token_is_chosen_inside_the_embedding_with_a_non_zero_row():
     from helpers_tokenizers import build_fast_tokenizer
 
     tok = build_fast_tokenizer("llama3", vocab_size=300)
     n = len(tok)
-    assert resolve_mask_token(tok, n + 8) == (n, None)  # the first spare row (SGLang's own choice)
+    embed = torch.randn(n + 8, 4)
+    assert resolve_mask_token(tok, n + 8, embedding=embed) == (n, None)  # the first spare row
+    embed[n : n + 3] = 0  # untrained spare rows: skipped
+    assert resolve_mask_token(tok, n + 8, embedding=embed) == (n + 3, None)
     assert resolve_mask_token(tok, n, configured=5)[0] == 5
     with pytest.raises(DraftflowError, match="outside the target vocabulary"):
         resolve_mask_token(tok, n, configured=n)
-    with pytest.raises(DraftflowError, match="set train.dflash.mask_token_id"):
-        resolve_mask_token(tok, n)  # no spare row, no mask / reserved / pad token
+    with pytest.raises(DraftflowError, match="all zeros"):
+        resolve_mask_token(tok, n + 8, configured=n, embedding=embed)
+    bos = tok.bos_token_id  # no spare row, no mask / reserved token: BOS starts no block
+    assert resolve_mask_token(tok, n) == (bos, tok.bos_token)
     tok.add_special_tokens({"pad_token": "<|pad|>"})
-    assert resolve_mask_token(tok, len(tok)) == (tok.pad_token_id, "<|pad|>")
+    zero_bos = torch.randn(len(tok), 4)
+    zero_bos[bos] = 0
+    assert resolve_mask_token(tok, len(tok), embedding=zero_bos) == (tok.pad_token_id, "<|pad|>")
+    zero_bos[tok.pad_token_id] = 0  # a zero pad row (padding_idx), as the builtin target has
+    with pytest.raises(DraftflowError, match="set train.dflash.mask_token_id"):
+        resolve_mask_token(tok, len(tok), embedding=zero_bos)
     tok.add_special_tokens({"additional_special_tokens": ["<|reserved_special_token_0|>"]})
     reserved = tok.convert_tokens_to_ids("<|reserved_special_token_0|>")
     assert resolve_mask_token(tok, len(tok)) == (reserved, "<|reserved_special_token_0|>")
     tok.add_special_tokens({"mask_token": "<|MASK|>"})
     assert resolve_mask_token(tok, len(tok)) == (tok.mask_token_id, "<|MASK|>")
+
+
+def test_a_zero_mask_row_would_freeze_the_first_layer_s_attention():
+    """Why the mask row must not be zero: the masked rows' queries are then exactly zero and no
+    gradient reaches q_proj / k_proj of a one-layer drafter (its attention stays uniform)."""
+    model = tiny_target()
+    drafter = make_drafter(model, layers=1, std=0.3)
+    ids, mask, aux, greedy = target_data(model, random_prompts(2, model.config.vocab_size, seed=3), new=8)
+    anchors = pad_anchors([choose_anchors(m.numpy(), 4, None) for m in mask])
+    original = drafter.embed_tokens.weight.clone()
+    for zero in (True, False):
+        embed = original.clone()
+        if zero:
+            embed[MASK] = 0
+        drafter.set_target(embed, drafter.lm_head.weight)
+        drafter.zero_grad()
+        loss, _ = DFlashObjective(drafter, decay=0.5)(ids, mask, aux, None, greedy, None, anchors)
+        loss.backward()
+        q_grad = drafter.layers[0].self_attn.q_proj.weight.grad.abs().max().item()
+        assert (q_grad == 0.0) == zero, (zero, q_grad)
 
 
 # ---------------------------------------------------------------- training from range folders

@@ -246,13 +246,19 @@ class DFlashSettings:
 # ---------------------------------------------------------------- the mask token
 
 
-def resolve_mask_token(tokenizer, vocab_size: int, configured: int | None = None) -> tuple[int, str | None]:
+def resolve_mask_token(
+    tokenizer, vocab_size: int, configured: int | None = None, embedding: torch.Tensor | None = None
+) -> tuple[int, str | None]:
     """(mask token id, its string or None): the embedding row the block's masked positions read.
 
-    `configured` (train.dflash.mask_token_id) wins. Otherwise, in order: the tokenizer's mask
-    token; a `<|MASK|>` token; the first embedding row past the tokenizer's tokens (what SGLang
-    picks when it adds `<|MASK|>` itself; Qwen3 has such padding rows); a reserved special
-    token; the pad token. Engines cannot grow the target's embedding, so the id must be < V.
+    Requirements: inside the target's embedding (engines cannot grow it), never a block's first
+    token (blocks start at a loss token), and a row that is not all zeros: with a zero row the
+    masked rows enter the first layer as zeros, their queries are zero, and its attention can
+    never learn (pad rows often are zero). `configured` (train.dflash.mask_token_id) wins if it
+    qualifies. Otherwise, in order: the tokenizer's mask token; a `<|MASK|>` token; an embedding
+    row past the tokenizer's tokens (Qwen3 has such rows; SGLang picks the first when it adds
+    `<|MASK|>` itself); a reserved special token; the BOS token (never a loss token in chat
+    data); the pad token. `embedding` [V, H]: the target's, to skip zero rows.
     """
 
     def string_of(i: int) -> str | None:
@@ -261,27 +267,37 @@ def resolve_mask_token(tokenizer, vocab_size: int, configured: int | None = None
         token = tokenizer.convert_ids_to_tokens(i)
         return token if isinstance(token, str) else None
 
+    norms = None if embedding is None else embedding.float().norm(dim=-1)
+    floor = 0.0 if norms is None else 1e-3 * float(norms.median())
+
+    def usable(i) -> bool:
+        return i is not None and 0 <= int(i) < vocab_size and (norms is None or float(norms[int(i)]) > floor)
+
     if configured is not None:
         if not 0 <= configured < vocab_size:
             raise DraftflowError(f"train.dflash.mask_token_id {configured} is outside the target vocabulary [0, {vocab_size})")
+        if not usable(configured):
+            raise DraftflowError(
+                f"train.dflash.mask_token_id {configured}: its row of the target's embedding is all zeros, so the "
+                "drafter's attention could not learn from the masked positions; pick a token with a trained row"
+            )
         return int(configured), string_of(int(configured))
     if tokenizer is None:
         raise DraftflowError("DFlash needs a mask token id: set train.dflash.mask_token_id (no tokenizer to pick one)")
     vocab = tokenizer.get_vocab()
-    candidates: list[int | None] = [getattr(tokenizer, "mask_token_id", None), vocab.get(DEFAULT_MASK_TOKEN)]
-    if len(tokenizer) < vocab_size:
-        candidates.append(len(tokenizer))
+    candidates: list = [getattr(tokenizer, "mask_token_id", None), vocab.get(DEFAULT_MASK_TOKEN)]
+    candidates += range(len(tokenizer), vocab_size)
     specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if "reserved" in t.lower()]
-    candidates += sorted(vocab[t] for t in specials if t in vocab)[:1]
-    bos_eos = {getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)}
+    candidates += sorted(vocab[t] for t in specials if t in vocab)
+    candidates += [getattr(tokenizer, "bos_token_id", None)]
     pad = getattr(tokenizer, "pad_token_id", None)
-    candidates.append(pad if pad not in bos_eos else None)
+    candidates.append(pad if pad != getattr(tokenizer, "eos_token_id", None) else None)
     for i in candidates:
-        if i is not None and 0 <= int(i) < vocab_size:
+        if usable(i):
             return int(i), string_of(int(i))
     raise DraftflowError(
-        "DFlash needs a mask token that the data never uses, inside the target's embedding: the tokenizer "
-        "has no mask, reserved or pad token and no spare embedding row; set train.dflash.mask_token_id"
+        "DFlash needs a mask token that starts no block, inside the target's embedding with a non-zero row: the "
+        "tokenizer has no such mask, reserved, BOS or pad token and no spare row; set train.dflash.mask_token_id"
     )
 
 

@@ -427,8 +427,10 @@ def build_dflash(
 
     d = s.dflash_settings
     tcfg = _target_config(target_dir)
-    vocab_size = int((tcfg.get("text_config") or tcfg).get("vocab_size"))
-    mask_id, mask_token = resolve_mask_token(_load_tokenizer(tokenizer_dir or target_dir), vocab_size, d.mask_token_id)
+    tensors = load_target_tensors(target_dir)
+    mask_id, mask_token = resolve_mask_token(
+        _load_tokenizer(tokenizer_dir or target_dir), tensors["embed"].shape[0], d.mask_token_id, tensors["embed"]
+    )
     cfg = DFlashConfig.from_target(
         tcfg, num_hidden_layers=d.num_hidden_layers, target_layer_ids=list(s.aux_layer_ids), block_size=d.block_size,
         mask_token_id=mask_id, mask_token=mask_token, target=target_identity(target_dir),
@@ -437,7 +439,6 @@ def build_dflash(
     cfg.extra["labels"] = d.labels
     torch.manual_seed(s.seed)
     drafter = DFlashDrafter(cfg)
-    tensors = load_target_tensors(target_dir)
     if tuple(tensors["embed"].shape) != (cfg.vocab_size, cfg.hidden_size):
         raise DraftflowError(
             f"{target_dir}: embedding shape {tuple(tensors['embed'].shape)} does not match config.json"
