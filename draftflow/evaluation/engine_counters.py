@@ -34,11 +34,14 @@ where a request's token budget cut the last step short).
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import asdict, dataclass, field
 
 from draftflow.errors import DraftflowError
+
+log = logging.getLogger(__name__)
 
 # Releases whose endpoints and counter names were checked in their released source.
 SUPPORTED = {"sglang": ("0.5.14",), "vllm": ("0.25.1",)}
@@ -120,7 +123,7 @@ class SpecCounts:
             "accepted": self.accepted_at,
             "reached": self.reached,
             "verify_steps": self.verify_steps,
-            "draft_tokens": self.draft_tokens,
+            "drafted_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
         }
 
@@ -240,9 +243,22 @@ class VllmCounters:
     def k(self) -> int:
         return len(self.per_pos)
 
-    def since(self, before: "VllmCounters", where: str) -> SpecCounts:
-        """Counts between two scrapes; a counter that went down means the server restarted."""
+    def since(self, before: "VllmCounters", where: str, received: int | None = None) -> SpecCounts:
+        """Counts between two scrapes; a counter that went down means the server restarted.
+        received: tokens the client got meanwhile; fewer generation tokens counted than that
+        means the counters restarted in between (a lower count would be silently wrong)."""
         now, then = asdict(self), asdict(before)
+        if received is not None and self.generation_tokens is not None and before.generation_tokens is not None:
+            counted = self.generation_tokens - before.generation_tokens
+            if counted < received:
+                raise DraftflowError(
+                    f"{where}: vllm:generation_tokens_total grew by {counted:g} while {received} tokens were "
+                    "received: the server's counters restarted during the measurement (engine restart?); "
+                    "rerun to measure this set again"
+                )
+            if counted > received:
+                log.warning("%s: %g generation tokens counted, %d received: other requests reached the server; "
+                            "acceptance includes them", where, counted, received)  # fmt: skip
         for key in ("drafts", "draft_tokens", "accepted"):
             if now[key] < then[key]:
                 raise DraftflowError(

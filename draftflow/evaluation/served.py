@@ -212,7 +212,7 @@ class VllmClient:
         return VllmCounters.from_metrics(raw.decode("utf-8", "replace"), f"{self.url}/metrics ({where})")
 
     def counts(self, before: Any, after: Any, generations: Sequence[Generation], k: int, where: str) -> SpecCounts:
-        return after.since(before, f"{self.url}/metrics ({where})")
+        return after.since(before, f"{self.url}/metrics ({where})", sum(len(g.tokens) for g in generations))
 
 
 def make_client(engine: str, url: str, timeout_s: float) -> EngineClient:
@@ -444,7 +444,8 @@ class ServedRun:
 
     def run(self, prompt_sets: list[PromptSet], tokenizer) -> list[UnitResult]:
         results: dict[tuple, UnitResult] = {}
-        for config, endpoint in self.configs():
+        configs = self.configs()
+        for config, endpoint in configs:
             pending = []
             for ps in prompt_sets:
                 for t in self.temperatures:
@@ -458,7 +459,7 @@ class ServedRun:
                 continue
             for key, unit in self._measure(config, endpoint, pending, tokenizer).items():
                 results[key] = unit
-        return [results[(ps.name, c.name, t)] for c, _ in self.configs() for ps in prompt_sets for t in self.temperatures
+        return [results[(ps.name, c.name, t)] for c, _ in configs for ps in prompt_sets for t in self.temperatures
                 if (ps.name, c.name, t) in results]  # fmt: skip
 
     def _measure(self, config: ServerConfig, endpoint: str | None, pending, tokenizer) -> dict:
