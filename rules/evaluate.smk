@@ -1,15 +1,56 @@
 # Acceptance length, servable exports, and the report's figures.
 
 
+def evaluate_engine() -> str:
+    return config["evaluate"]["engine"]
+
+
+def evaluate_launches() -> bool:
+    """A served engine without a running endpoint: the stage starts servers on the GPUs."""
+    return evaluate_engine() != "hf" and not config["evaluate"]["server"]["endpoint"]
+
+
+def evaluate_settings() -> dict:
+    """config `evaluate` + what it reads elsewhere; the hf engine ignores `server`."""
+    engine = evaluate_engine()
+    settings = {**config["evaluate"], "aux_layer_ids": resolved_aux_layer_ids()}
+    settings["trust_remote_code"] = config["target"]["trust_remote_code"]
+    if engine == "hf":
+        settings.pop("server")
+    else:  # the exported drafter is written for this release (its aux ids depend on it)
+        settings["engine_version"] = config["export"][f"{engine}_version"]
+    return settings
+
+
+def evaluate_served() -> list:
+    """The exported drafter a launched engine loads (none for hf or a running endpoint)."""
+    return [f"{RESULTS}/export/{evaluate_engine()}"] if evaluate_launches() else []
+
+
+def evaluate_prompt_files() -> list:
+    sets = config["evaluate"]["prompt_sets"].values()
+    return [f for s in sets if s["path"] for f in existing(s["path"])]
+
+
+def evaluate_gpus() -> int:
+    if evaluate_engine() == "hf":
+        return min(1, config["extract"]["gpus_per_job"])
+    return config["evaluate"]["server"]["tensor_parallel"] if evaluate_launches() else 0
+
+
 rule evaluate:
     input:
         drafter=f"{RESULTS}/drafter",
-        eval_ranges=lambda w: range_dirs("eval"),
+        # simulated τ reads the eval split's hidden states with the target in-process: hf only
+        eval_ranges=lambda w: range_dirs("eval") if evaluate_engine() == "hf" else [],
         eval_data=f"{RESULTS}/merged/eval.jsonl",
         target=target_input(),
+        prompt_files=evaluate_prompt_files(),
+        served=evaluate_served(),
     output:
         json=f"{RESULTS}/eval/acceptance.json",
         csv=f"{RESULTS}/eval/acceptance.csv",
+        outputs=f"{RESULTS}/eval/outputs.jsonl",
     log:
         f"{LOGS}/evaluate.log",
     benchmark:
@@ -18,17 +59,18 @@ rule evaluate:
         CONDA_ENV
     threads: 4
     resources:
-        gpu=min(1, config["extract"]["gpus_per_job"]),
+        gpu=evaluate_gpus(),
     params:
-        settings=lambda w: as_settings(
-            {**config["evaluate"], "aux_layer_ids": resolved_aux_layer_ids()}
-        ),
+        settings=lambda w: as_settings(evaluate_settings()),
         target=lambda w: target_dir(),
         out_dir=lambda w, output: os.path.dirname(output.json),
+        state=f"{STATE}/evaluate",
+        served=" ".join(f"--served-drafter {d}" for d in evaluate_served()),
     shell:
         "draftflow evaluate --drafter {input.drafter} --target {params.target}"
-        " --eval-ranges {input.eval_ranges} --eval-data {input.eval_data}"
-        " --settings {params.settings:q} --output-dir {params.out_dir} > {log} 2>&1"
+        " --eval-ranges {input.eval_ranges} --eval-data {input.eval_data} {params.served}"
+        " --settings {params.settings:q} --output-dir {params.out_dir}"
+        " --state-dir {params.state} > {log} 2>&1"
 
 
 rule export:

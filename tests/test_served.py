@@ -223,6 +223,11 @@ def test_vllm_endpoint_with_baseline_and_temperatures(inputs, target):
     assert rows(report, temperature=0.7)["eval"]["acceptance_length"] < rows(report)["eval"]["acceptance_length"]
     assert set(rows(report, "baseline")) == {"eval", "mtbench"}
     assert report["greedy"]["tokens_per_second"] > 0
+    # the report's figure draws a served report too (no simulated or n-gram curves)
+    from test_evaluate import assert_png, plot_cli
+
+    assert plot_cli(kind="acceptance", acceptance=inputs / "eval" / "acceptance.json", output=inputs / "acc.png") == 0
+    assert_png(inputs / "acc.png")
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
