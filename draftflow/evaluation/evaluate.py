@@ -8,12 +8,17 @@
   the target's own greedy output this is exactly what real decoding would accept from each
   anchor; real decoding just visits fewer anchors (one per verify step).
 * **Real**: greedy chain speculative decoding (`draftflow.evaluation.speculative`) with the HF target,
-  for each K in draft_tokens, on prompts from the eval split (tokens before the first loss
-  token) and from an optional prompts file (one per line, rendered with the chat template).
-  The same prompts through the same verify loop with a prompt-lookup (n-gram) drafter give
-  the model-free baseline, and plain greedy decoding the reference output and the speed.
+  for each K in draft_tokens, on every prompt set of `evaluate.prompt_sets`
+  (`draftflow.evaluation.prompt_sets`: the eval split's prompts, HumanEval, MT-bench, GSM8K, any
+  JSONL). The same prompts through the same verify loop with a prompt-lookup (n-gram) drafter
+  give the model-free baseline, and plain greedy decoding the reference output and the speed.
+* **Served** (`engine: sglang | vllm`, `draftflow.evaluation.served`): the engine serves the
+  exported drafter; τ and per-position acceptance come from its own counters.
 
-Writes acceptance.json (`acceptance_length` = real τ at the largest K) and acceptance.csv.
+Writes acceptance.json (`acceptance_length` = real τ at the largest K over all prompts; `per_set`
+= one row per prompt set, method, K and temperature), acceptance.csv, and outputs.jsonl (every
+decoded output with its per-step counts). Finished prompt sets are kept in the state folder, so
+a rerun resumes per set; nothing is written to the output folder before every set is measured.
 """
 
 from __future__ import annotations
