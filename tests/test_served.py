@@ -304,6 +304,14 @@ def test_launched_servers_one_per_k_plus_baseline_all_stopped(inputs, target, en
     assert "K = 3" in (inputs / "state" / "logs" / f"{engine}-eagle3-k3.log").read_text()
 
 
+def test_a_launch_onto_a_busy_port_is_refused(inputs, target, capsys):
+    with FakeSGLang(k=3, lifetime_s=60) as other:  # e.g. the regeneration server left running
+        launcher = [sys.executable, "-m", "draftflow.engines.fake_engines", "sglang"]
+        assert evaluate(inputs, target, "sglang", {"launcher": launcher, "port": other.port}) == 1
+        assert other.log == []
+    assert f"127.0.0.1:{other.port} is already in use" in capsys.readouterr().err
+
+
 def test_a_launched_server_of_an_unknown_version_is_refused_and_stopped(inputs, target, capsys):
     port = free_port()
     launcher = [sys.executable, "-m", "draftflow.engines.fake_engines", "sglang"]

@@ -261,6 +261,14 @@ class LaunchedServer:
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> "LaunchedServer":
+        host, port = self.url.split("//")[1].rsplit(":", 1)
+        with socket.socket() as probe:  # else /health would be answered by whatever holds the port
+            probe.settimeout(2)
+            if probe.connect_ex((host, int(port))) == 0:
+                raise DraftflowError(
+                    f"{host}:{port} is already in use (another server, e.g. the regeneration server?): stop it "
+                    "or set evaluate.server.port to a free port"
+                )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("launching: %s (log %s)", " ".join(self.argv), self.log_path)
         with open(self.log_path, "ab") as out:
