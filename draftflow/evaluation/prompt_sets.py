@@ -144,12 +144,20 @@ def _gzip_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
 
 
 def _records(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of a JSONL file; blank lines skipped, bad lines named."""
     if not path.is_file():
         raise DraftflowError(f"{path}: prompt set file not found")
-    for line, record in enumerate(read_jsonl(path), start=1):
-        if not isinstance(record, dict):
-            raise DraftflowError(f"{where(path, line)}: expected a JSON object")
-        yield line, record
+    with open(path, encoding="utf-8") as f:
+        for line, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DraftflowError(f"{where(path, line)}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise DraftflowError(f"{where(path, line)}: expected a JSON object")
+            yield line, record
 
 
 def _text(path: Path, line: int, record: dict, key: str) -> str:
