@@ -498,8 +498,9 @@ def run_served_engine(inputs: EvaluateInputs, settings: EvaluateSettings) -> tup
     state = UnitState(inputs.state_dir, settings_key({
         "engine": settings.engine, "target": _target_identity(inputs.target),
         "drafter": folder_digest(inputs.served_drafter) if inputs.served_drafter and not server.endpoint else None,
+        # operational keys (timeouts, port, concurrency) do not change what is measured
         "server": {k: v for k, v in asdict(server).items() if k not in ("startup_timeout_s", "request_timeout_s",
-                   "check_gpus", "concurrency")},  # fmt: skip
+                   "check_gpus", "concurrency", "host", "port")},  # fmt: skip
         "max_new_tokens": settings.max_new_tokens,
     }))  # fmt: skip
     run = ServedRun(settings.engine, server, inputs.target, inputs.served_drafter, settings.trust_remote_code,
