@@ -253,3 +253,43 @@ def train_resources() -> dict:
         return {"gpu": gpus}
     resources = {"nodes": nodes, "tasks": nodes, "mpi": "srun", "tasks_per_gpu": 0}
     return {**resources, "gres": f"gpu:{gpus}"} if gpus else resources
+
+
+# ---- evaluate ------------------------------------------------------------------------
+
+
+def evaluate_engine() -> str:
+    return config["evaluate"]["engine"]
+
+
+def evaluate_launches() -> bool:
+    """A served engine without a running endpoint: the stage starts servers on the GPUs."""
+    return evaluate_engine() != "hf" and not config["evaluate"]["server"]["endpoint"]
+
+
+def evaluate_settings() -> dict:
+    """config `evaluate` + what it reads elsewhere; the hf engine ignores `server`."""
+    engine = evaluate_engine()
+    settings = {**config["evaluate"], "aux_layer_ids": resolved_aux_layer_ids()}
+    settings["trust_remote_code"] = config["target"]["trust_remote_code"]
+    if engine == "hf":
+        settings.pop("server")
+    else:  # the exported drafter is written for this release (its aux ids depend on it)
+        settings["engine_version"] = config["export"][f"{engine}_version"]
+    return settings
+
+
+def evaluate_served() -> list:
+    """The exported drafter a launched engine loads (none for hf or a running endpoint)."""
+    return [f"{RESULTS}/export/{evaluate_engine()}"] if evaluate_launches() else []
+
+
+def evaluate_prompt_files() -> list:
+    sets = config["evaluate"]["prompt_sets"].values()
+    return [f for s in sets if s["path"] for f in existing(s["path"])]
+
+
+def evaluate_gpus() -> int:
+    if evaluate_engine() == "hf":
+        return min(1, config["extract"]["gpus_per_job"])
+    return config["evaluate"]["server"]["tensor_parallel"] if evaluate_launches() else 0

@@ -4,12 +4,16 @@
 rule evaluate:
     input:
         drafter=f"{RESULTS}/drafter",
-        eval_ranges=lambda w: range_dirs("eval"),
+        # simulated τ reads the eval split's hidden states with the target in-process: hf only
+        eval_ranges=lambda w: range_dirs("eval") if evaluate_engine() == "hf" else [],
         eval_data=f"{RESULTS}/merged/eval.jsonl",
         target=target_input(),
+        prompt_files=evaluate_prompt_files(),
+        served=evaluate_served(),
     output:
         json=f"{RESULTS}/eval/acceptance.json",
         csv=f"{RESULTS}/eval/acceptance.csv",
+        outputs=f"{RESULTS}/eval/outputs.jsonl",
     log:
         f"{LOGS}/evaluate.log",
     benchmark:
@@ -18,17 +22,18 @@ rule evaluate:
         CONDA_ENV
     threads: 4
     resources:
-        gpu=min(1, config["extract"]["gpus_per_job"]),
+        gpu=evaluate_gpus(),
     params:
-        settings=lambda w: as_settings(
-            {**config["evaluate"], "aux_layer_ids": resolved_aux_layer_ids()}
-        ),
+        settings=lambda w: as_settings(evaluate_settings()),
         target=lambda w: target_dir(),
         out_dir=lambda w, output: os.path.dirname(output.json),
+        state=f"{STATE}/evaluate",
+        served=" ".join(f"--served-drafter {d}" for d in evaluate_served()),
     shell:
         "draftflow evaluate --drafter {input.drafter} --target {params.target}"
-        " --eval-ranges {input.eval_ranges} --eval-data {input.eval_data}"
-        " --settings {params.settings:q} --output-dir {params.out_dir} > {log} 2>&1"
+        " --eval-ranges {input.eval_ranges} --eval-data {input.eval_data} {params.served}"
+        " --settings {params.settings:q} --output-dir {params.out_dir}"
+        " --state-dir {params.state} > {log} 2>&1"
 
 
 rule export:

@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from conftest import REPO, copy_workflow, planned_jobs, snakemake, write_config
 from draftflow.config import default_aux_layer_ids
+from test_evaluate import check_against_outputs
 from test_workflow_extract import CONFIG, small_config
 
 FIGURES = ("lengths", "storage", "training", "acceptance")
@@ -33,6 +34,26 @@ def _merged_lengths(path: Path) -> dict[str, int]:
         assert len(record["input_ids"]) == len(record["loss_mask"])
         lengths[record["id"]] = len(record["input_ids"])
     return lengths
+
+
+def assert_greedy_from_generate(target: Path, outputs: list[dict], max_new_tokens: int) -> None:
+    """The greedy reference of a few outputs equals `model.generate` (an independent decoder)."""
+    import torch
+
+    from draftflow.evaluation.prompt_sets import PromptSetSpec, load_prompt_set
+    from draftflow.target import load_target
+
+    model, tokenizer = load_target(target, dtype=torch.float32, device="cpu")
+    ps = load_prompt_set(PromptSetSpec("humaneval", "humaneval"), tokenizer, None, 10)
+    prompts = {p.source: p.ids for p in ps.prompts}
+    checked = 0
+    for o in outputs:
+        if o["method"] == "greedy" and o["source"] in prompts:
+            ids = torch.tensor([prompts[o["source"]]])
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
+            assert out[: len(o["tokens"])] == o["tokens"]
+            checked += 1
+    assert checked == len(outputs) > 0
 
 
 @pytest.mark.slow
@@ -74,6 +95,14 @@ def test_default_workflow_end_to_end(tmp_path):
     assert 1.0 <= acceptance["acceptance_length_simulated"] <= k + 1
     assert 1.0 <= acceptance["ngram"][str(k)]["acceptance_length"] <= k + 1
     assert (results / "eval" / "acceptance.csv").is_file()
+    # τ per prompt set (the eval split and HumanEval), equal to a recount from the decoded outputs,
+    # whose tokens are the target's own greedy decoding (transformers' generate, not our loop)
+    assert {"eval", "humaneval"} <= set(acceptance["prompt_sets"])
+    outputs = [json.loads(line) for line in (results / "eval" / "outputs.jsonl").read_text().splitlines()]
+    assert check_against_outputs(acceptance, outputs) == 2 * len(config["evaluate"]["draft_tokens"]) * len(
+        acceptance["prompt_sets"])  # fmt: skip
+    humaneval = [o for o in outputs if o["prompt_set"] == "humaneval" and o["method"] == "greedy"]
+    assert_greedy_from_generate(results / "target", humaneval[:2], config["evaluate"]["max_new_tokens"])
 
     # A servable SGLang export: EAGLE-3 weights without an embedding.
     sglang = results / "export" / "sglang"
