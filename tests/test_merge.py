@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import statistics
 from pathlib import Path
@@ -178,6 +179,27 @@ def test_eval_split_of_a_dataset_is_stable_when_another_dataset_is_added(tmp_pat
 
     assert eval_of_a(tmp_path / "alone") == eval_of_a(tmp_path / "joined")
     assert 5 <= len(eval_of_a(tmp_path / "alone")) < 60
+
+
+def test_eval_split_is_a_seedless_hash_of_the_sample_id(tmp_path):
+    """The rule (docs: merge.py step 4): eval iff sha256("eval\\0" + id)[:8] / 2^64 < eval_fraction.
+    Changing merge.seed, weights or max_seq_len reshuffles but moves no sample between splits."""
+    inputs = dataset_shards(tmp_path, "A", 200)
+    merge(inputs, settings(seed=0, eval_fraction=0.2), tmp_path / "s0")
+    merge(inputs, settings(seed=12345, eval_fraction=0.2, max_seq_len=9), tmp_path / "s1")
+    merge(inputs, settings(seed=7, eval_fraction=0.2, datasets={"A": {"weight": 1.5}}), tmp_path / "s2")
+
+    def base_ids(out, split):
+        return {base_id(r["id"]) for r in split_records(out, split)}
+
+    ids = [f"A-{i:016x}" for i in range(200)]
+    pinned = {i for i in ids if int.from_bytes(hashlib.sha256(f"eval\0{i}".encode()).digest()[:8], "big") < 0.2 * 2**64}
+    assert 20 < len(pinned) < 60
+    for out in ("s0", "s1", "s2"):
+        assert base_ids(tmp_path / out, "eval") == pinned, out
+        assert base_ids(tmp_path / out, "train") == set(ids) - pinned, out
+    # the seed still shuffles
+    assert all_ids(tmp_path / "s0") != all_ids(tmp_path / "s1")
 
 
 def test_min_eval_samples_tops_up_eval_only_when_train_keeps_samples(tmp_path):

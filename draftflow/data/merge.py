@@ -13,11 +13,16 @@ the result does not depend on the Python version or on the order of other datase
    mask depends only on its own role (assistant content or not), so the mask of the
    kept tokens is exactly the prefix; the loss-token count is recomputed from it and
    a sample left with no loss token is **dropped** (it is in no split);
-4. the **eval split** by a hash of the id without `#k` (stable when datasets are
-   added, and the copies of one sample never straddle train and eval): eval when
-   hash < eval_fraction; when that gives fewer than `min_eval_samples` distinct
-   samples, the lowest hashes are taken, provided at least one sample is left for train;
+4. the **eval split** by `eval_hash` of the id without `#k`, a hash of the id alone
+   (no seed): a sample is in eval when its hash / 2^64 < eval_fraction, whatever
+   `seed`, the weights, caps, `max_seq_len` or the other datasets are, so the split
+   survives re-merges and seed changes, and the copies of one sample never straddle
+   train and eval. Only when that gives fewer than `min_eval_samples` distinct
+   samples are the next-lowest hashes added (provided at least one sample is left
+   for train); that top-up depends on which samples are present;
 5. each split is **shuffled** (sorted by a seeded hash of the instance id).
+
+Every other step depends on `seed`: rank = `sha256(seed, purpose, id)`.
 
 Outputs in `--out-dir`: train.jsonl and eval.jsonl (compact JSON, one record per
 line, byte-identical for the same inputs and seed), manifest.json (settings,
@@ -117,6 +122,15 @@ def seeded_hash(seed: int, purpose: str, key: str) -> int:
     """A 64-bit rank for `key`, fixed by (seed, purpose) and independent of everything else."""
     digest = hashlib.sha256(f"{seed}\0{purpose}\0{key}".encode()).digest()
     return int.from_bytes(digest[:8], "big")
+
+
+def eval_hash(sample_id: str) -> int:
+    """The eval-split rank of a sample: the first 8 bytes of sha256("eval\\0" + id), big-endian.
+
+    Deliberately not seeded: changing `merge.seed` reshuffles but never moves a sample
+    between train and eval (a drafter's eval figures stay comparable across seeds).
+    """
+    return int.from_bytes(hashlib.sha256(f"eval\0{sample_id}".encode()).digest()[:8], "big")
 
 
 def base_id(sample_id: str) -> str:
@@ -242,8 +256,8 @@ def apply_weight_and_cap(samples: Sequence[Sample], ds: DatasetSettings, seed: i
 
 
 def eval_ids(entries: Sequence[Entry], settings: MergeSettings) -> set[str]:
-    """Step 4: the base ids that go to eval."""
-    hashes = {e.sample.id: seeded_hash(settings.seed, "eval", e.sample.id) for e in entries}
+    """Step 4: the base ids that go to eval (independent of `settings.seed`)."""
+    hashes = {e.sample.id: eval_hash(e.sample.id) for e in entries}
     ranked = sorted(hashes, key=hashes.__getitem__)
     count = sum(h < settings.eval_fraction * 2**64 for h in hashes.values())
     if count < settings.min_eval_samples:
