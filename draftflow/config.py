@@ -84,6 +84,27 @@ def enabled_datasets(config: dict) -> list[str]:
     return [name for name, ds in config["datasets"].items() if ds["enabled"]]
 
 
+# The rule, also in the schema (extract.aux_layer_ids) and README ("Layer ids").
+DEFAULT_AUX_RULE = (
+    "[1, max(2, N//2 - 1), max(3, N - 4)] for N >= 5 decoder layers (= [1, N//2 - 1, N - 4] "
+    "from N = 7 on), [0, 1, 2] for N = 4, none below 4"
+)
+
+
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """DESIGN.md §3: [1, N//2 - 1, N - 4] (Llama-3.1-8B: [1, 15, 28])."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
+    """Three distinct, ascending layers below the last one (DEFAULT_AUX_RULE).
+
+    DESIGN.md §3's [1, N//2 - 1, N - 4] (Llama-3.1-8B: [1, 15, 28]; Kimi-K2.5: [1, 29, 57])
+    repeats ids below 7 layers ([1, 2, 2] for 6, [1, 1, 0] for 4); there the ids are raised
+    to the smallest distinct ones. All stay below N - 1, whose output SGLang cannot capture.
+    """
+    n = int(num_layers)
+    if n >= 5:
+        return [1, max(2, n // 2 - 1), max(3, n - 4)]
+    if n == 4:
+        return [0, 1, 2]
+    raise DraftflowError(
+        f"a target with {n} decoder layer(s) has no default aux layers (three distinct layers "
+        "below the last need at least 4); set extract.aux_layer_ids to distinct ascending ids "
+        f"in 0..{max(n - 1, 0)}"
+    )

@@ -1,11 +1,14 @@
 """Config schema: defaults are filled in, and errors name the offending key."""
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from draftflow.config import ConfigError, default_aux_layer_ids, enabled_datasets, load_config, validate_config
+from draftflow.errors import DraftflowError
+from draftflow.hidden_states.plan import resolve_aux_layer_ids
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = [REPO / "config" / "config.yaml", *sorted((REPO / "config" / "examples").glob("*.yaml"))]
@@ -75,3 +78,30 @@ def test_kimi_example_is_the_users_setup():
 def test_default_aux_layer_ids():
     assert default_aux_layer_ids(32) == [1, 15, 28]  # Llama-3.1-8B
     assert default_aux_layer_ids(61) == [1, 29, 57]  # Kimi-K2.5
+    assert default_aux_layer_ids(8) == [1, 3, 4]  # the builtin target's default depth
+
+
+def test_default_aux_layer_ids_are_distinct_ascending_and_below_the_last_layer():
+    # [1, N//2 - 1, N - 4] repeated ids below 7 layers: [1, 1, 0] for 4, [1, 2, 2] for 6
+    assert default_aux_layer_ids(4) == [0, 1, 2]
+    assert default_aux_layer_ids(5) == [1, 2, 3]
+    assert default_aux_layer_ids(6) == [1, 2, 3]
+    for n in range(4, 300):
+        ids = default_aux_layer_ids(n)
+        assert len(ids) == 3 and ids == sorted(set(ids)), (n, ids)
+        assert 0 <= ids[0] and ids[-1] <= n - 2, (n, ids)  # N - 1 cannot be served by SGLang
+        assert resolve_aux_layer_ids(None, n) == ids
+        if n >= 7:
+            assert ids == [1, n // 2 - 1, n - 4]  # DESIGN.md §3 where it is distinct
+    for n in (1, 2, 3):
+        with pytest.raises(DraftflowError, match="set extract.aux_layer_ids"):
+            default_aux_layer_ids(n)
+
+
+@pytest.mark.parametrize(
+    "ids, words",
+    [([1, 3, 3], "more than once"), ([3, 1, 2], "ascending order ([1, 2, 3])"), ([1, 8], "does not exist")],
+)
+def test_configured_aux_layer_ids_must_be_distinct_ascending_and_in_range(ids, words):
+    with pytest.raises(DraftflowError, match=re.escape(words)):
+        resolve_aux_layer_ids(ids, 8)

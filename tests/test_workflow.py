@@ -73,6 +73,17 @@ def test_invalid_config_fails_before_planning(workflow_copy):
     assert "datasets.chat.shards" in proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("layers", [4, 6])
+def test_small_builtin_target_plans_with_distinct_default_aux_ids(workflow_copy, layers):
+    """The builtin target's minimum depth (4) and 6 layers repeated default ids ([1, 1, 0], [1, 2, 2])."""
+    config = load_default_config()
+    config["target"]["builtin"] = {"num_hidden_layers": layers}
+    write_config(workflow_copy, config)
+    proc = snakemake(workflow_copy, "-n", "--configfile", "config/test.yaml", check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "build_target" in planned_jobs(proc.stdout)
+
+
 # ---- rerun reasons after a real run through merge ------------------------------------
 
 

@@ -428,7 +428,6 @@ def import_drafter(
     `sglang_version`); else SGLang's default for the target, [1, N//2 - 1, N - 4] in ours.
     The embedding is always the target's (frozen); a checkpoint's own copy is only compared.
     """
-    from draftflow.config import default_aux_layer_ids
     from draftflow.target import target_identity
     from draftflow.drafters.train import load_target_tensors, save_drafter
 
@@ -451,7 +450,9 @@ def import_drafter(
     if ours is None and engine_ids:
         ours = engine_ids if source == "specforge" else our_aux_ids("sglang", sglang_version, target_config, engine_ids)
     if ours is None:
-        ours = default_aux_layer_ids(int(_text_config(target_config)["num_hidden_layers"]))
+        # SGLang's own fallback (layers_to_capture [2, N//2, N-3]), not our small-target default
+        n = int(_text_config(target_config)["num_hidden_layers"])
+        ours = [1, n // 2 - 1, n - 4]
 
     vocab = int(raw.get("vocab_size") or target_config.get("vocab_size"))
     draft_vocab = int(raw.get("draft_vocab_size") or tensors["lm_head.weight"].shape[0])
