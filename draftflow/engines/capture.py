@@ -30,6 +30,30 @@ CONVENTION = (
 FINAL = "post_norm"
 
 
+def layer_meanings(aux_layer_ids: Sequence[int], num_layers: int) -> list[str]:
+    """What each captured slot holds, aux ids in config order then the final, for data_config.json.
+
+    Exact for every id, also the last layer's: aux id N-1 is that layer's raw output (a
+    forward hook on it), while HF `output_hidden_states[N]` is the final-normed state, which
+    is what the final slot holds.
+    """
+    n = int(num_layers)
+    out = []
+    for i in map(int, aux_layer_ids):
+        if i == n - 1:
+            out.append(
+                f"aux {i}: raw output of decoder layer {i}, the last, before the final norm "
+                f"(not HF output_hidden_states[{n}], which is after the final norm)"
+            )
+        else:
+            out.append(f"aux {i}: output of decoder layer {i} = input of layer {i + 1} (HF output_hidden_states[{i + 1}])")
+    out.append(
+        f"final: output of decoder layer {n - 1} after the final norm, what the LM head reads "
+        f"(HF output_hidden_states[{n}])"
+    )
+    return out
+
+
 class CaptureError(DraftflowError):
     """A capture that must not be stored (short, wrong shape, non-finite), or an unusable engine."""
 

@@ -43,6 +43,7 @@ import draftflow
 from draftflow.engines.capture import (
     CONVENTION,
     FINAL,
+    layer_meanings,
     CaptureEngine,
     CaptureError,
     capture_settings,
@@ -683,8 +684,10 @@ def summarize_hidden_states(range_dirs: Sequence[Path], max_seq_len: int | None 
     data_config = {
         "convention": CONVENTION,
         "aux_layer_ids": first["aux_layer_ids"],
-        # The user's style: aux ids + the last layer (captured after the final norm).
+        # The user's style: aux ids + the last layer, whose entry here is the final state
+        # (after the final norm); layer_meanings says exactly what each entry holds.
         "layer_ids": first["aux_layer_ids"] + [num_layers - 1],
+        "layer_meanings": layer_meanings(first["aux_layer_ids"], num_layers),
         "final": first["final"],
         "num_hidden_layers": num_layers,
         "engine": first["engine"],
