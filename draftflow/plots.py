@@ -61,18 +61,23 @@ def plot_lengths(train: Path, output: Path, eval_data: Path | None = None, manif
             lengths.setdefault(name, []).extend(values)
     if not lengths:
         raise DraftflowError(f"{train}: no records to plot")
-    max_seq_len = read_json(manifest)["settings"]["max_seq_len"] if manifest else None
+    info = read_json(manifest) if manifest else {"settings": {}, "datasets": {}}
+    max_seq_len = info.get("settings", {}).get("max_seq_len")
+    # source records prepare rejected, per dataset (shown so that they are not missed)
+    rejected = {n: d.get("rejected", 0) for n, d in info.get("datasets", {}).items()}
     names = sorted(lengths)
     top = max_seq_len or max(max(v) for v in lengths.values())
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.hist([lengths[n] for n in names], bins=50, range=(0, top), stacked=True,
-            label=[f"{n} ({len(lengths[n])})" for n in names])  # fmt: skip
+    labels = [f"{n} ({len(lengths[n])}" + (f", {rejected[n]} rejected)" if rejected.get(n) else ")") for n in names]
+    ax.hist([lengths[n] for n in names], bins=50, range=(0, top), stacked=True, label=labels)
     if max_seq_len:
         ax.axvline(max_seq_len, color="black", linestyle="--", linewidth=1, label=f"max_seq_len {max_seq_len}")
     total = sum(len(v) for v in lengths.values())
     tokens = sum(sum(v) for v in lengths.values())
-    ax.set(xlabel="sample length (tokens)", ylabel="samples",
-           title=f"Merged set: {total:,} samples, {tokens:,} tokens")  # fmt: skip
+    title = f"Merged set: {total:,} samples, {tokens:,} tokens"
+    if sum(rejected.values()):
+        title += f"; {sum(rejected.values()):,} source records rejected"
+    ax.set(xlabel="sample length (tokens)", ylabel="samples", title=title)
     ax.legend(fontsize=8)
     _save(fig, output)
 

@@ -128,11 +128,24 @@ def tokenized_shards() -> dict[str, list[str]]:
     }
 
 
+def rejects_files() -> dict[str, list[str]]:
+    """Prepare's rejects files per dataset (merge counts them into the manifest)."""
+    return {
+        name: [
+            f"{RESULTS}/datasets/{name}/shard-{i}.rejects.jsonl"
+            for i in shard_ids(name)
+        ]
+        for name in DATASETS
+    }
+
+
 def merge_input_args(wildcards, input) -> str:
-    """`--input NAME=FILE` pairs, in config order and shard order."""
+    """`--input NAME=FILE` and `--rejects NAME=FILE` pairs, in config order and shard order."""
     pairs = []
     for name, files in tokenized_shards().items():
         pairs += [f"--input {name}={file}" for file in files]
+    for name, files in rejects_files().items():
+        pairs += [f"--rejects {name}={file}" for file in files]
     return " ".join(pairs)
 
 

@@ -3,7 +3,8 @@
 
 checkpoint merge:
     input:
-        [file for files in tokenized_shards().values() for file in files],
+        shards=[file for files in tokenized_shards().values() for file in files],
+        rejects=[file for files in rejects_files().values() for file in files],
     output:
         train=f"{RESULTS}/merged/train.jsonl",
         eval=f"{RESULTS}/merged/eval.jsonl",

@@ -265,6 +265,29 @@ def test_manifest_statistics_match_a_hand_computation(tmp_path):
     assert rows[-1]["dropped"] == "1"
 
 
+def test_rejected_source_records_are_counted_per_dataset(tmp_path):
+    inputs = dataset_shards(tmp_path, "A", 6) + dataset_shards(tmp_path, "B", 4, shards=1)
+    rejects_a = [tmp_path / "A-0.rejects.jsonl", tmp_path / "A-1.rejects.jsonl"]
+    write_jsonl(rejects_a[0], [{"line": 2, "field": None, "reason": "not valid JSON", "raw": "{"}] * 3)
+    write_jsonl(rejects_a[1], [])
+    rejects_b = tmp_path / "B-0.rejects.jsonl"
+    write_jsonl(rejects_b, [])
+    out = tmp_path / "out"
+    assert cli.main(["merge", *(f"--input={n}={p}" for n, p in inputs),
+                     f"--rejects=A={rejects_a[0]}", f"--rejects=A={rejects_a[1]}", f"--rejects=B={rejects_b}",
+                     "--settings", json.dumps({"max_seq_len": 64}), "--out-dir", str(out)]) == 0  # fmt: skip
+    manifest = read_json(out / "manifest.json")
+    assert manifest["datasets"]["A"]["rejected"] == 3 and manifest["datasets"]["B"]["rejected"] == 0
+    assert manifest["total"]["rejected"] == 3
+    with open(out / "stats.csv", newline="") as f:
+        rows = {(r["dataset"], r["split"]): r["rejected"] for r in csv.DictReader(f)}
+    assert rows[("A", "all")] == "3" and rows[("B", "all")] == "0" and rows[("total", "all")] == "3"
+    assert rows[("A", "train")] == rows[("A", "eval")] == ""  # rejects belong to no split
+
+    with pytest.raises(DraftflowError, match="rejects file .*nope.jsonl \\(dataset A\\) does not exist"):
+        merge(inputs, settings(), tmp_path / "out2", rejects=[("A", tmp_path / "nope.jsonl")])
+
+
 # ---------------------------------------------------------------- ranges
 
 

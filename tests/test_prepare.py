@@ -356,6 +356,22 @@ def test_non_utf8_byte_in_a_json_document_is_located(tmp_path):
         run(tmp_path, path=str(tmp_path / "s.json"), on_error="skip")
 
 
+def test_empty_dataset_is_an_error_under_fail_naming_dataset_and_file(tmp_path):
+    src = tmp_path / "empty.jsonl"
+    src.write_text("\n\n")  # blank lines only: no record
+    with pytest.raises(DraftflowError) as e:
+        run(tmp_path, dataset="B9_empty", path=str(src))
+    assert f"dataset B9_empty: {src} holds no records" in str(e.value)
+    assert not (tmp_path / "out" / "B9_empty" / "shard-0.jsonl.zst").exists()
+    (tmp_path / "empty.json").write_text("[]")
+    with pytest.raises(DraftflowError, match="dataset B9_empty: .*empty.json holds no records"):
+        run(tmp_path, dataset="B9_empty", path=str(tmp_path / "empty.json"))
+    # under skip, an empty (or wholly rejected) dataset is written empty, its rejects counted later
+    src.write_text(json.dumps(BAD_ROLE) + "\n")
+    records, rejects = run(tmp_path, dataset="B9_empty", path=str(src), on_error="skip")
+    assert records == [] and len(rejects) == 1
+
+
 def test_prompt_only_records_need_regenerate(tmp_path):
     src = write_jsonl_lines(tmp_path / "p.jsonl", [NO_ASSISTANT, RECORDS[0]])
     records, rejects = run(tmp_path, path=str(src), on_error="skip")

@@ -3,6 +3,8 @@ and which jobs a config change makes stale (read from Snakemake's own dry-run re
 
 from __future__ import annotations
 
+import csv
+import json
 import shutil
 import subprocess
 import sys
@@ -94,12 +96,22 @@ def small_config() -> dict:
     for dataset in config["datasets"].values():
         dataset["max_samples"] = 12
     config["regenerate"]["max_new_tokens"] = 8
+    # one malformed line, skipped: its count must reach the manifest and stats.csv
+    config["datasets"]["flaky"] = {"path": "data/flaky.jsonl", "on_error": "skip"}
     return config
+
+
+FLAKY_LINES = [
+    {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]},
+    {"messages": [{"role": "bot", "content": "malformed role"}]},
+    {"messages": [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Because."}]},
+]
 
 
 @pytest.fixture(scope="module")
 def merged_workflow(tmp_path_factory):
     workdir = copy_workflow(tmp_path_factory.mktemp("merged") / "wf")
+    (workdir / "data" / "flaky.jsonl").write_text("".join(json.dumps(line) + "\n" for line in FLAKY_LINES))
     write_config(workdir, small_config())
     snakemake(workdir, "results/merged/manifest.json", "--configfile=config/test.yaml")
     return workdir
@@ -114,6 +126,18 @@ def _dry_run_after(workdir: Path, config: dict) -> dict[str, list[str]]:
 def test_nothing_to_do_after_a_run(merged_workflow):
     jobs = _dry_run_after(merged_workflow, small_config())
     assert jobs == {}, f"an unchanged config must plan no jobs, got {jobs}"
+
+
+def test_rejected_records_are_counted_in_manifest_and_stats(merged_workflow):
+    manifest = json.loads((merged_workflow / "results" / "merged" / "manifest.json").read_text())
+    assert manifest["datasets"]["flaky"]["rejected"] == 1
+    assert manifest["datasets"]["flaky"]["input_samples"] == 2
+    assert manifest["datasets"]["chat"]["rejected"] == 0
+    assert manifest["total"]["rejected"] == 1
+    with open(merged_workflow / "results" / "merged" / "stats.csv", newline="") as f:
+        rows = {(r["dataset"], r["split"]): r for r in csv.DictReader(f)}
+    assert rows[("flaky", "all")]["rejected"] == "1" and rows[("total", "all")]["rejected"] == "1"
+    assert rows[("flaky", "train")]["rejected"] == ""
 
 
 def test_merge_seed_reruns_merge_only(merged_workflow):

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 SPLITS = ("train", "eval")
 STATS_COLUMNS = (
     "dataset", "split", "samples", "tokens", "loss_tokens",
-    "min_len", "median_len", "mean_len", "max_len", "truncated", "dropped",
+    "min_len", "median_len", "mean_len", "max_len", "truncated", "dropped", "rejected",
 )  # fmt: skip
 TOTAL = "total"  # the `dataset` value of the summary rows in stats.csv
 
@@ -416,9 +416,29 @@ def group_inputs(inputs: Sequence[tuple[str, Path]]) -> dict[str, list[Path]]:
     return grouped
 
 
-def merge(inputs: Sequence[tuple[str, Path]], settings: MergeSettings, out_dir: Path) -> MergeResult:
-    """Run the whole stage: read the shards, write train/eval JSONL, manifest.json and stats.csv."""
+def count_rejects(rejects: Sequence[tuple[str, Path]]) -> dict[str, int]:
+    """Records `prepare` rejected per dataset: one JSON line per record in its rejects files."""
+    counts: dict[str, int] = {}
+    for name, path in rejects:
+        try:
+            with open(path, "rb") as f:
+                counts[name] = counts.get(name, 0) + sum(1 for line in f if line.strip())
+        except FileNotFoundError:
+            raise DraftflowError(f"rejects file {path} (dataset {name}) does not exist; run `prepare` first") from None
+    return counts
+
+
+def merge(
+    inputs: Sequence[tuple[str, Path]],
+    settings: MergeSettings,
+    out_dir: Path,
+    rejects: Sequence[tuple[str, Path]] = (),
+) -> MergeResult:
+    """Run the whole stage: read the shards, write train/eval JSONL, manifest.json and stats.csv.
+
+    `rejects`: (dataset, prepare's rejects file) pairs, counted into the manifest."""
     out_dir = Path(out_dir)
+    rejected = count_rejects(rejects)
     out_dir.mkdir(parents=True, exist_ok=True)
     spool = Spool(out_dir)
     try:
@@ -432,6 +452,7 @@ def merge(inputs: Sequence[tuple[str, Path]], settings: MergeSettings, out_dir: 
                 "input_samples": len(samples),
                 "selected": len(selected),
                 "dropped": len(selected) - len(with_loss),
+                "rejected": rejected.get(name, 0),
             }
             kept += with_loss
 
@@ -452,7 +473,7 @@ def merge(inputs: Sequence[tuple[str, Path]], settings: MergeSettings, out_dir: 
     finally:
         spool.close()
 
-    manifest = build_manifest(inputs, settings, splits, per_dataset, ranges)
+    manifest = build_manifest(inputs, settings, splits, per_dataset, ranges, rejects)
     write_json(out_dir / "manifest.json", manifest)
     write_stats_csv(out_dir / "stats.csv", stats_table(manifest))
     log_summary(manifest)
@@ -465,6 +486,7 @@ def build_manifest(
     splits: Mapping[str, Sequence[Entry]],
     per_dataset: Mapping[str, Mapping[str, int]],
     ranges: Mapping[str, Sequence[Range]],
+    rejects: Sequence[tuple[str, Path]] = (),
 ) -> dict[str, Any]:
     datasets = {}
     for name, counts in per_dataset.items():
@@ -472,6 +494,7 @@ def build_manifest(
         ds = settings.dataset(name)
         datasets[name] = {
             "input_samples": counts["input_samples"],
+            "rejected": counts["rejected"],
             "selected": counts["selected"],
             "weight": ds.weight,
             "max_merged": ds.max_merged,
@@ -488,10 +511,12 @@ def build_manifest(
             "datasets": {n: {"weight": d.weight, "max_merged": d.max_merged} for n, d in settings.datasets.items()},
         },
         "inputs": [{"dataset": name, "path": str(path)} for name, path in inputs],
+        "rejects": [{"dataset": name, "path": str(path)} for name, path in rejects],
         "files": {split: f"{split}.jsonl" for split in SPLITS},
         "datasets": datasets,
         "total": {
             "input_samples": sum(c["input_samples"] for c in per_dataset.values()),
+            "rejected": sum(c["rejected"] for c in per_dataset.values()),
             "selected": sum(c["selected"] for c in per_dataset.values()),
             **{split: s.to_dict() for split, s in _stats_by_split(splits, total_dropped).items()},
         },
@@ -500,19 +525,32 @@ def build_manifest(
 
 
 def stats_table(manifest: Mapping[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
-    """{dataset or "total": {split or "all": stats}} from a manifest, for stats.csv."""
+    """{dataset or "total": {split or "all": stats}} from a manifest, for stats.csv.
+
+    `rejected` (source records `prepare` rejected) belongs to no split: it fills the "all" row."""
     rows = {name: ds for name, ds in manifest["datasets"].items()}
     rows[TOTAL] = manifest["total"]
-    return {name: {split: entry[split] for split in (*SPLITS, "all")} for name, entry in rows.items()}
+    return {
+        name: {
+            split: {**entry[split], "rejected": entry.get("rejected") if split == "all" else None}
+            for split in (*SPLITS, "all")
+        }
+        for name, entry in rows.items()
+    }
 
 
 def log_summary(manifest: Mapping[str, Any]) -> None:
     for name, ds in manifest["datasets"].items():
         log.info(
-            "%s: %d input -> %d selected (%d repeats, weight %g), %d truncated, %d dropped; train %d / eval %d",
-            name, ds["input_samples"], ds["selected"], ds["all"]["repeats"], ds["weight"],
+            "%s: %d input (%d rejected by prepare) -> %d selected (%d repeats, weight %g), %d truncated, "
+            "%d dropped; train %d / eval %d",
+            name, ds["input_samples"], ds["rejected"], ds["selected"], ds["all"]["repeats"], ds["weight"],
             ds["all"]["truncated"], ds["all"]["dropped"], ds["train"]["samples"], ds["eval"]["samples"],
         )  # fmt: skip
+        if ds["rejected"]:
+            log.warning("%s: %d malformed source records were rejected (prepare's rejects files)", name, ds["rejected"])
+        if not ds["input_samples"]:
+            log.warning("%s: no samples reached merge; the dataset contributes nothing", name)
     total = manifest["total"]
     log.info(
         "merged: train %d samples / %d tokens (%d ranges), eval %d samples / %d tokens (%d ranges)",
@@ -527,7 +565,7 @@ def log_summary(manifest: Mapping[str, Any]) -> None:
 def input_arg(text: str) -> tuple[str, Path]:
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--input must be DATASET=SHARD_FILE, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected DATASET=FILE, got {text!r}")
     return name, Path(path)
 
 
@@ -538,10 +576,14 @@ def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
         "--input", dest="inputs", action="append", type=input_arg, required=True, metavar="DATASET=SHARD_FILE",
         help="a tokenized shard of a dataset; repeat for every shard, in order",
     )  # fmt: skip
+    parser.add_argument(
+        "--rejects", action="append", type=input_arg, default=[], metavar="DATASET=REJECTS_FILE",
+        help="a prepare rejects file of a dataset (counted into the manifest); repeat for every shard",
+    )  # fmt: skip
     parser.add_argument("--settings", type=settings_arg, required=True, help="merge settings as a JSON object")
     parser.add_argument("--out-dir", type=Path, required=True, help="folder for train/eval JSONL, manifest, stats")
 
 
 def main(args: argparse.Namespace) -> int:
-    merge(args.inputs, MergeSettings.from_dict(args.settings), args.out_dir)
+    merge(args.inputs, MergeSettings.from_dict(args.settings), args.out_dir, args.rejects)
     return 0

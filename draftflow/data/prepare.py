@@ -599,7 +599,8 @@ def prepare_shard(
     output: str | Path,
     rejects: str | Path,
 ) -> PrepareStats:
-    """Write shard `shard` of `dataset` to `output` (always, even if empty) and its rejects."""
+    """Write shard `shard` of `dataset` to `output` and its rejects; an empty dataset is an error
+    under on_error: fail, an empty output (with a warning) under skip."""
     if not 0 <= shard < settings.shards:
         raise DraftflowError(f"dataset {dataset}: shard {shard} does not exist (shards: {settings.shards})")
     source = open_source(resolve_source(dataset, settings.path), settings.split)
@@ -642,6 +643,13 @@ def prepare_shard(
             stats.kept += 1
 
     write_jsonl(output, shard_records())
+    if stats.kept == 0 and settings.on_error == "fail":
+        Path(output).unlink(missing_ok=True)  # no output: the job failed
+        raise DraftflowError(
+            f"dataset {dataset}: {source.path} holds no records ({stats.read} read); an empty dataset is "
+            f"an error under on_error: fail. Check datasets.{dataset}.path (and split), or set "
+            f"datasets.{dataset}.enabled: false"
+        )
     stats.rejects_written = write_jsonl(rejects, reject_entries)
     log.info(
         "%s shard %d/%d from %s: read %d records, kept %d, duplicates %d, rejected %d; "
@@ -649,8 +657,11 @@ def prepare_shard(
         dataset, shard, settings.shards, source.path, stats.read, stats.kept, stats.duplicates,
         stats.rejected, stats.written, output, stats.rejects_written, rejects, time.monotonic() - started,
     )
-    if stats.kept == 0:
-        log.warning("%s: no valid records in %s; shard %d is empty", dataset, source.path, shard)
+    if stats.kept == 0:  # on_error: skip
+        log.warning(
+            "%s: no valid records in %s (%d read, %d rejected); the dataset is empty",
+            dataset, source.path, stats.read, stats.rejected,
+        )  # fmt: skip
     return stats
 
 
