@@ -76,10 +76,12 @@ rule tokenize:
     conda:
         CONDA_ENV
     params:
+        # max_seq_len bounds the work per record (merge keeps no more tokens than that)
         settings=as_settings(
             {
                 **config["tokenize"],
                 "trust_remote_code": config["target"]["trust_remote_code"],
+                "max_seq_len": config["merge"]["max_seq_len"],
             }
         ),
         tokenizer=lambda w: tokenizer_dir(),

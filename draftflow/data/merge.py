@@ -12,7 +12,9 @@ the result does not depend on the Python version or on the order of other datase
 3. **truncation** to `max_seq_len`: `input_ids[:L]` and `loss_mask[:L]`. A token's
    mask depends only on its own role (assistant content or not), so the mask of the
    kept tokens is exactly the prefix; the loss-token count is recomputed from it and
-   a sample left with no loss token is **dropped** (it is in no split);
+   a sample left with no loss token is **dropped** (it is in no split). A record that
+   tokenize already cut (`cut_chars`, its first L tokens exactly) counts as truncated,
+   and the manifest's `cut_before_tokenize` counts those records and characters;
 4. the **eval split** by `eval_hash` of the id without `#k`, a hash of the id alone
    (no seed): a sample is in eval when its hash / 2^64 < eval_fraction, whatever
    `seed`, the weights, caps, `max_seq_len` or the other datasets are, so the split
@@ -151,6 +153,7 @@ class Sample:
     loss_tokens: int  # loss tokens kept
     truncated: bool
     offset: int  # into the spool; -1 for a sample without loss tokens (never written)
+    cut_chars: int = 0  # rendered characters tokenize never tokenized (bounded work per record)
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,20 @@ def _check_record(record: Any, path: Path, line: int, dataset: str) -> None:
         raise DraftflowError(f"{where(path, line, 'loss_mask')}: values must be 0 or 1")
 
 
+def _cut_chars(record: dict, path: Path, line: int, max_seq_len: int) -> int:
+    """A record tokenize cut short holds its first max_seq_len tokens (of tokenize's max_seq_len)."""
+    cut_chars = record.get("cut_chars", 0)
+    if not isinstance(cut_chars, int) or cut_chars < 0:
+        raise DraftflowError(f"{where(path, line, 'cut_chars')}: must be a count of characters")
+    if cut_chars and len(record["input_ids"]) < max_seq_len:
+        raise DraftflowError(
+            f"{where(path, line)}: sample {record['id']} was cut to {len(record['input_ids'])} tokens by "
+            f"tokenize, fewer than merge.max_seq_len {max_seq_len}: tokenize ran with a smaller "
+            "max_seq_len; rerun tokenize with merge's"
+        )
+    return cut_chars
+
+
 def read_dataset(name: str, paths: Sequence[Path], max_seq_len: int, spool: Spool) -> list[Sample]:
     """Stream one dataset's shards (in order), truncate each record and spool its JSON."""
     samples = []
@@ -218,12 +235,13 @@ def read_dataset(name: str, paths: Sequence[Path], max_seq_len: int, spool: Spoo
             for line, record in enumerate(read_jsonl(path), start=1):
                 _check_record(record, path, line, name)
                 ids, mask = record["input_ids"], record["loss_mask"]
-                truncated = len(ids) > max_seq_len
+                cut_chars = _cut_chars(record, path, line, max_seq_len)
+                truncated = len(ids) > max_seq_len or cut_chars > 0
                 if truncated:
                     ids, mask = ids[:max_seq_len], mask[:max_seq_len]
                 loss = mask.count(1)
                 offset = spool.write(_dumps(ids), _dumps(mask)) if loss else -1
-                samples.append(Sample(record["id"], name, len(ids), loss, truncated, offset))
+                samples.append(Sample(record["id"], name, len(ids), loss, truncated, offset, cut_chars))
         except FileNotFoundError:
             raise DraftflowError(f"input shard {path} (dataset {name}) does not exist; run `tokenize` first") from None
         except ValueError as e:  # read_jsonl's "file:line: not valid JSON"
@@ -453,6 +471,10 @@ def merge(
                 "selected": len(selected),
                 "dropped": len(selected) - len(with_loss),
                 "rejected": rejected.get(name, 0),
+                "cut_before_tokenize": {
+                    "records": sum(s.cut_chars > 0 for s in samples),
+                    "chars": sum(s.cut_chars for s in samples),
+                },
             }
             kept += with_loss
 
@@ -495,6 +517,7 @@ def build_manifest(
         datasets[name] = {
             "input_samples": counts["input_samples"],
             "rejected": counts["rejected"],
+            "cut_before_tokenize": counts["cut_before_tokenize"],
             "selected": counts["selected"],
             "weight": ds.weight,
             "max_merged": ds.max_merged,
@@ -517,6 +540,9 @@ def build_manifest(
         "total": {
             "input_samples": sum(c["input_samples"] for c in per_dataset.values()),
             "rejected": sum(c["rejected"] for c in per_dataset.values()),
+            "cut_before_tokenize": {
+                key: sum(c["cut_before_tokenize"][key] for c in per_dataset.values()) for key in ("records", "chars")
+            },
             "selected": sum(c["selected"] for c in per_dataset.values()),
             **{split: s.to_dict() for split, s in _stats_by_split(splits, total_dropped).items()},
         },
