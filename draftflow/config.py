@@ -8,6 +8,8 @@ violation is reported with the dotted path of the offending key, so a user reads
 from __future__ import annotations
 
 import copy
+import difflib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,147 @@ def _path_of(error: jsonschema.ValidationError) -> str:
     return ".".join(str(p) for p in error.absolute_path) or "<top level>"
 
 
+def schema_paths(schema: dict, prefix: str = "") -> dict[str, list[str]]:
+    """{key name: [dotted paths where the schema has it]} (a dataset's keys under datasets.<name>)."""
+    found: dict[str, list[str]] = {}
+    children = dict(schema.get("properties", {}))
+    if isinstance(schema.get("additionalProperties"), dict):
+        children["<name>"] = schema["additionalProperties"]
+    for key, sub in children.items():
+        path = f"{prefix}.{key}" if prefix else key
+        found.setdefault(key, []).append(path)
+        for name, paths in schema_paths(sub, path).items():
+            found.setdefault(name, []).extend(paths)
+    return found
+
+
+def _did_you_mean(key: str, here: list[str], everywhere: dict[str, list[str]], at: str) -> str:
+    """A hint for an unknown key: a close name at the same place, or the same name elsewhere."""
+    close = difflib.get_close_matches(key, here, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean '{close[0]}'?"
+    elsewhere = [p for p in everywhere.get(key, []) if p.rsplit(".", 1)[0] != at]
+    if elsewhere:
+        place = "not at the top level" if at == "<top level>" else f"not under {at}"
+        return f"; did you mean {' or '.join(repr(p) for p in elsewhere[:3])}? ({place})"
+    return f"; known keys here: {', '.join(here)}" if here else ""
+
+
+def _messages(error: jsonschema.ValidationError, everywhere: dict[str, list[str]]) -> list[str]:
+    path = _path_of(error)
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        known = list(error.schema.get("properties", {}))
+        unknown = [k for k in error.instance if k not in known]
+        return [f"  {path}: unknown key '{k}'{_did_you_mean(str(k), known, everywhere, path)}" for k in unknown]
+    return [f"  {path}: {error.message}"]
+
+
+# ---- values from the command line ------------------------------------------------------------
+
+NULL_WORDS = ("null", "Null", "NULL", "~")
+
+
+def _types(schema: dict) -> set[str]:
+    kind = schema.get("type")
+    return set(kind) if isinstance(kind, list) else {kind} if kind else set()
+
+
+def _fits(value: Any, types: set[str]) -> bool:
+    checks = {
+        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "boolean": lambda v: isinstance(v, bool),
+        "null": lambda v: v is None,
+        "array": lambda v: isinstance(v, list),
+        "object": lambda v: isinstance(v, dict),
+    }
+    return any(checks[t](value) for t in types if t in checks)
+
+
+def coerce_to_schema(value: Any, schema: dict) -> Any:
+    """`value` with strings turned into the number, boolean, null, list or enum member the schema
+    expects at that place: Snakemake's `--config key='{a: 0.001}'` reads nested values as strings.
+
+    A string stays a string where the schema allows one (except a null word where null is
+    allowed too); a string that does not parse to an allowed value is left for validation to report.
+    """
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        return {
+            k: coerce_to_schema(v, props[k] if k in props else extra if isinstance(extra, dict) else {})
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        items = schema.get("items")
+        return [coerce_to_schema(v, items) for v in value] if isinstance(items, dict) else value
+    if not isinstance(value, str):
+        return value
+    types, enum = _types(schema), schema.get("enum")
+    if enum is not None:
+        if value in enum:
+            return value
+        parsed = _parse_scalar(value)
+        return parsed if parsed in enum and type(parsed) in {type(e) for e in enum} else value
+    if "null" in types and value in NULL_WORDS:
+        return None
+    if not types or "string" in types:
+        return value
+    parsed = _parse_scalar(value)
+    if _fits(parsed, types):
+        return coerce_to_schema(parsed, schema)  # a list or object parsed from text: its items too
+    return value
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def coerce_overrides(config: dict, overrides: dict, schema: dict | None = None) -> dict:
+    """`config` with the values Snakemake took from `--config` (`overrides`) coerced by the schema."""
+    schema = schema or load_schema()
+    return _deep_update(copy.deepcopy(config), coerce_to_schema(copy.deepcopy(dict(overrides)), schema))
+
+
+def _deep_update(base: dict, new: dict) -> dict:
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_update(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+# ---- config files --------------------------------------------------------------------------
+
+
+def check_config_files(paths: list, schema: dict | None = None) -> None:
+    """Refuse a `--configfile` that is not a draftflow config, e.g. a target written after the
+    option (`--configfile my.yaml results/merged/storage_plan.json`: Snakemake reads every word
+    after --configfile as a config file)."""
+    schema = schema or load_schema()
+    known = set(schema.get("properties", {}))
+    for path in paths:
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError):
+            continue  # Snakemake has read it already; nothing to add
+        keys = set(data) if isinstance(data, dict) else set()
+        if not keys & known:
+            path = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
+            found = ", ".join(sorted(map(str, keys))[:6]) or "none"
+            raise ConfigError(
+                f"--configfile {path} is not a draftflow config (top-level keys: {found}; a config has "
+                f"{', '.join(sorted(known))}). --configfile reads every file named after it, so a target "
+                f"written after it is taken for a config: name targets first, e.g. "
+                f"`snakemake {path} --configfile my.yaml`, or end the file list with `--`."
+            )
+
+
 def validate_config(config: dict, schema: dict | None = None) -> dict:
     """Validate `config`, fill defaults, and return a new dict. Raises ConfigError."""
     schema = schema or load_schema()
@@ -55,7 +198,8 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
     validator = jsonschema.Draft202012Validator(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if errors:
-        lines = [f"  {_path_of(e)}: {e.message}" for e in errors]
+        everywhere = schema_paths(schema)
+        lines = [line for e in errors for line in _messages(e, everywhere)]
         raise ConfigError(
             "invalid draftflow config:\n" + "\n".join(lines) + "\n"
             "See config/schema/config.schema.yaml for every key and its meaning."

@@ -9,13 +9,20 @@ from snakemake.exceptions import WorkflowError
 from draftflow.errors import DraftflowError
 from draftflow.config import (
     ConfigError,
+    check_config_files,
+    coerce_overrides,
     default_aux_layer_ids,
     enabled_datasets,
     validate_config,
 )
 
 try:
-    config.update(validate_config(config))
+    # A target written after --configfile is read as a config file: say so.
+    check_config_files(workflow.config_settings.configfiles)
+    # --config reads nested values as strings ('{learning_rate: 0.001}'): coerce by the schema.
+    config.update(
+        validate_config(coerce_overrides(config, workflow.config_settings.config))
+    )
 except ConfigError as e:
     raise WorkflowError(str(e)) from None
 

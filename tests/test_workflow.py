@@ -86,6 +86,37 @@ def test_small_builtin_target_plans_with_distinct_default_aux_ids(workflow_copy,
     assert "build_target" in planned_jobs(proc.stdout)
 
 
+def test_nested_config_from_the_command_line_reaches_the_rules(workflow_copy):
+    proc = snakemake(workflow_copy, "-n", "-p", "--config", "train={draft_vocab_size: 100, learning_rate: 0.001}",
+                     "evaluate={draft_tokens: [2, 5]}", check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert '{"draft_vocab_size":100}' in proc.stdout  # the vocab rule's settings: a number, not "100"
+
+
+def test_unknown_key_on_the_command_line_gets_a_did_you_mean(workflow_copy):
+    proc = snakemake(workflow_copy, "-n", "--config", "train={learning_rat: 0.001}", check=False)
+    assert proc.returncode != 0
+    assert "train: unknown key 'learning_rat'; did you mean 'learning_rate'?" in proc.stdout + proc.stderr
+
+
+def test_a_target_after_configfile_is_reported_not_read_as_config(workflow_copy):
+    """README step 5 used to read `--configfile my.yaml results/merged/storage_plan.json`."""
+    write_config(workflow_copy, load_default_config(), "my.yaml")
+    plan = workflow_copy / "results" / "merged" / "storage_plan.json"
+    plan.parent.mkdir(parents=True)
+    plan.write_text('{"aux_layer_ids": [1, 3, 4], "ranges": {"train": []}, "total": {"tokens": 1}}')
+    proc = snakemake(workflow_copy, "-n", "--configfile", "config/my.yaml", "results/merged/storage_plan.json",
+                     check=False)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in out
+    assert "--configfile results/merged/storage_plan.json is not a draftflow config" in out
+    assert "name targets first" in out
+    # the README's form: the target first
+    plan.unlink()
+    proc = snakemake(workflow_copy, "-n", "results/merged/storage_plan.json", "--configfile", "config/my.yaml")
+    assert "plan_storage" in planned_jobs(proc.stdout)
+
+
 # ---- rerun reasons after a real run through merge ------------------------------------
 
 
