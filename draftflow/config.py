@@ -2,7 +2,10 @@
 
 Defaults from the schema are filled in (also inside each named dataset), and a
 violation is reported with the dotted path of the offending key, so a user reads
-"datasets.B1_glaive.shards: 0 is less than the minimum of 1" instead of a traceback.
+"datasets.B1_glaive.shards: 0 is less than the minimum of 1" instead of a traceback;
+an unknown key gets a "did you mean". Values from Snakemake's `--config` are coerced
+to the schema's types first (`coerce_overrides`), and a `--configfile` that is not a
+config (a target written after the option) is named (`check_config_files`).
 """
 
 from __future__ import annotations
@@ -181,7 +184,8 @@ def check_config_files(paths: list, schema: dict | None = None) -> None:
             continue  # Snakemake has read it already; nothing to add
         keys = set(data) if isinstance(data, dict) else set()
         if not keys & known:
-            path = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
+            relative = os.path.relpath(path)
+            path = path if relative.startswith("..") else relative  # as the user typed it, usually
             found = ", ".join(sorted(map(str, keys))[:6]) or "none"
             raise ConfigError(
                 f"--configfile {path} is not a draftflow config (top-level keys: {found}; a config has "

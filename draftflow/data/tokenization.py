@@ -27,11 +27,12 @@ How the assistant spans are found, for any template, without knowing its tokens:
 Bounded work per record: `merge` keeps only the first `max_seq_len` tokens, so a rendered
 text longer than a character budget, (max_seq_len + CUT_SLACK_TOKENS) x the tokenizer's
 longest token in characters, is tokenized only up to the budget (`tokenize_bounded`). A
-prefix of a text tokenizes like the text except near its end; the first `max_seq_len`
-tokens are kept only once a cut at twice the budget gives the same ids and mask (else the
-budget doubles), so they and their mask are exactly those of the whole text. The record
-then carries `cut_chars`, the rendered characters never tokenized, and merge counts it as
-truncated.
+prefix of a text tokenizes like the text except near its end (pre-tokenizers split text
+into words, and a cut changes only the last of them), and the first `max_seq_len` tokens
+are kept only once a cut at twice the budget gives the same ids and mask (else the budget
+doubles): they and their mask are those of the whole text (tests compare against whole
+texts for four chat styles, fast and slow tokenizers). The record then carries
+`cut_chars`, the rendered characters never tokenized, and merge counts it as truncated.
 """
 
 from __future__ import annotations
@@ -305,7 +306,7 @@ def tokenize_rendered(tokenizer, rendered: RenderedConversation) -> TokenizedSam
 
 def longest_token_chars(tokenizer) -> int:
     """The most characters one token can stand for: its longest vocabulary string (a byte-level
-    token's string has one character per byte, at least one per text character)."""
+    token's string has one character per byte, so at least as many as the text it encodes)."""
     return max(1, max((len(t) for t in tokenizer.get_vocab()), default=1))
 
 
@@ -337,9 +338,8 @@ def tokenize_bounded(
             return tokenize_rendered(tokenizer, rendered), 0
         longer = tokenize_rendered(tokenizer, _cut(rendered, 2 * limit))
         # Enough tokens before the cut, and a cut twice as far changes none of the kept ones.
-        if len(sample.input_ids) >= max_seq_len + CUT_SLACK_TOKENS and _prefix(sample, max_seq_len) == _prefix(
-            longer, max_seq_len
-        ):
+        enough = len(sample.input_ids) >= max_seq_len + CUT_SLACK_TOKENS
+        if enough and _prefix(sample, max_seq_len) == _prefix(longer, max_seq_len):
             return _prefix(sample, max_seq_len), len(rendered.text) - limit
         limit, sample = 2 * limit, longer
 
@@ -375,7 +375,7 @@ class TokenizeSettings:
         chat_template = settings.get("chat_template")
         trust_remote_code = settings.get("trust_remote_code", False)
         max_seq_len = settings.get("max_seq_len")
-        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1):
+        if max_seq_len is not None and (type(max_seq_len) is not int or max_seq_len < 1):
             raise DraftflowError(
                 f"tokenize --settings: 'max_seq_len' must be a positive integer or null, not {max_seq_len!r}"
             )
