@@ -11,8 +11,9 @@
 3. both saved in Hugging Face format, loadable offline with `AutoModelForCausalLM` /
    `AutoTokenizer`, plus `build_log.json` (settings, corpus digests, loss curve).
 
-The build is deterministic: fixed seeds and deterministic CPU kernels give the same bytes on
-every run on the same machine.
+The build is deterministic: fixed seeds, deterministic CPU kernels and one compute thread
+(whatever `--threads` says; the rule declares 1) give the same bytes on every run on the
+same machine.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import Any, Iterable, Iterator
 
 from draftflow.errors import DraftflowError
 from draftflow.jsonl import fsync_dir, read_json, read_jsonl, write_json
+from draftflow.progress import Progress
+from draftflow.threads import torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ LLAMA3_SPLIT_PATTERN = (
 )
 MAX_POSITION_EMBEDDINGS = 2048
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+BUILD_THREADS = 1  # the build's compute threads: bit-identical weights for any job size
 
 
 # ---- settings -----------------------------------------------------------------------------
@@ -446,7 +450,7 @@ def train_model(model, stream, settings: BuiltinSettings) -> list[float]:
         optimizer, lambda step: cosine_lr(step, settings.train_steps, warmup)
     )
     losses: list[float] = []
-    started = time.monotonic()
+    progress = Progress(settings.train_steps, "steps", every_s=15.0, logger=log)
     model.train()
     for step in range(settings.train_steps):
         starts = torch.randint(0, stream.numel() - seq_len, (settings.train_batch_size,), generator=generator)
@@ -458,13 +462,7 @@ def train_model(model, stream, settings: BuiltinSettings) -> list[float]:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(round(loss.item(), 6))
-        if (step + 1) % 50 == 0 or step + 1 == settings.train_steps:
-            elapsed = time.monotonic() - started
-            eta = elapsed / (step + 1) * (settings.train_steps - step - 1)
-            log.info(
-                "train step %d/%d loss %.4f (%.1f steps/s, ETA %.0fs)",
-                step + 1, settings.train_steps, losses[-1], (step + 1) / elapsed, eta,
-            )
+        progress.update(step + 1, extra=f"loss {losses[-1]:.4f}")
     model.eval()
     return losses
 
@@ -496,10 +494,14 @@ def build_target(settings: BuiltinSettings, output: str | Path) -> BuildReport:
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        torch.manual_seed(settings.seed)
-        config = make_model_config(settings, tokenizer)
-        model = LlamaForCausalLM(config)
-        losses = train_model(model, stream, settings)
+        # One thread, whatever the job has: CPU kernels split elementwise work into one
+        # chunk per thread, and a chunk's vectorized body and scalar tail round differently,
+        # so the weights would depend on the thread count (draftflow/threads.py).
+        with torch_threads(BUILD_THREADS):
+            torch.manual_seed(settings.seed)
+            config = make_model_config(settings, tokenizer)
+            model = LlamaForCausalLM(config)
+            losses = train_model(model, stream, settings)
     finally:
         torch.use_deterministic_algorithms(deterministic)
     model.generation_config = GenerationConfig(

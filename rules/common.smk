@@ -265,6 +265,28 @@ def train_settings() -> dict:
     return {**config["train"], "aux_layer_ids": resolved_aux_layer_ids()}
 
 
+# ---- CPU threads per job (Snakemake clamps them to --cores; `draftflow --threads` applies them) ----
+
+
+def regenerate_threads() -> int:
+    """In-process HF generation computes on CPU threads; an OpenAI-compatible server does not."""
+    return 4 if config["regenerate"]["engine"] == "hf" else 1
+
+
+def extract_threads() -> int:
+    """The writer pool (encoding, zstd, fsync) plus the capture loop."""
+    return config["extract"]["writer_threads"] + 1
+
+
+def train_threads() -> int:
+    """Per node. GPUs: each process drives its GPU from one thread, with train.num_workers
+    DataLoader workers beside it. CPU: one process whose torch pool takes what is left."""
+    workers = config["train"]["num_workers"]
+    if config["train"]["gpus"]:
+        return config["train"]["gpus"] * (1 + workers)
+    return 8 + workers
+
+
 def train_resources() -> dict:
     """GPUs on one node: `gpu` (sbatch --gpus, and the local GPU limit). Several nodes:
     one srun task per node that runs torchrun, with `gpus` GPUs on each node."""

@@ -14,7 +14,7 @@ rule prepare:
     params:
         settings=lambda w: as_settings(prepare_settings(w.dataset)),
     shell:
-        "draftflow prepare --dataset {wildcards.dataset} --shard {wildcards.shard}"
+        "draftflow --threads {threads} prepare --dataset {wildcards.dataset} --shard {wildcards.shard}"
         " --settings {params.settings:q} --output {output.shard} --rejects {output.rejects}"
         " > {log} 2>&1"
 
@@ -31,7 +31,7 @@ rule preflight_servers:
         settings=as_settings({"regenerate": config["regenerate"]}),
         path=lambda w, output: os.path.dirname(output[0]),
     shell:
-        "draftflow preflight --path {params.path} --settings {params.settings:q}"
+        "draftflow --threads {threads} preflight --path {params.path} --settings {params.settings:q}"
         " --output {output} > {log} 2>&1"
 
 
@@ -49,7 +49,7 @@ rule regenerate:
         f"{BENCH}/regenerate/{{dataset}}/shard-{{shard}}.tsv"
     conda:
         CONDA_ENV
-    threads: 4
+    threads: regenerate_threads()
     params:
         settings=as_settings(
             {
@@ -60,7 +60,7 @@ rule regenerate:
         target=lambda w: target_dir(),
         state=f"{STATE}/regenerate",
     shell:
-        "draftflow regenerate --dataset {wildcards.dataset} --input {input.shard}"
+        "draftflow --threads {threads} regenerate --dataset {wildcards.dataset} --input {input.shard}"
         " --target {params.target} --settings {params.settings:q}"
         " --state-dir {params.state} --output {output} > {log} 2>&1"
 
@@ -86,5 +86,5 @@ rule tokenize:
         ),
         tokenizer=lambda w: tokenizer_dir(),
     shell:
-        "draftflow tokenize --input {input.shard} --tokenizer {params.tokenizer}"
+        "draftflow --threads {threads} tokenize --input {input.shard} --tokenizer {params.tokenizer}"
         " --settings {params.settings:q} --output {output} > {log} 2>&1"

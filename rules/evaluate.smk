@@ -30,7 +30,7 @@ rule evaluate:
         state=f"{STATE}/evaluate",
         served=" ".join(f"--served-drafter {d}" for d in evaluate_served()),
     shell:
-        "draftflow evaluate --drafter {input.drafter} --target {params.target}"
+        "draftflow --threads {threads} evaluate --drafter {input.drafter} --target {params.target}"
         " --eval-ranges {input.eval_ranges} --eval-data {input.eval_data} {params.served}"
         " --settings {params.settings:q} --output-dir {params.out_dir}"
         " --state-dir {params.state} > {log} 2>&1"
@@ -55,7 +55,7 @@ rule export:
         target=lambda w: target_dir(),
         out_dir=lambda w, output: os.path.dirname(output.summary),
     shell:
-        "draftflow export --drafter {input.drafter} --target {params.target}"
+        "draftflow --threads {threads} export --drafter {input.drafter} --target {params.target}"
         " --settings {params.settings:q} --output-dir {params.out_dir} > {log} 2>&1"
 
 
@@ -75,7 +75,7 @@ rule plot_lengths:
     conda:
         CONDA_ENV
     shell:
-        "draftflow plot --kind lengths --train-data {input.train} --eval-data {input.eval}"
+        "draftflow --threads {threads} plot --kind lengths --train-data {input.train} --eval-data {input.eval}"
         " --manifest {input.manifest} --output {output} > {log} 2>&1"
 
 
@@ -94,7 +94,7 @@ rule plot_storage:
     conda:
         CONDA_ENV
     shell:
-        "draftflow plot --kind storage --plan {input.plan}"
+        "draftflow --threads {threads} plot --kind storage --plan {input.plan}"
         " --data-config {input.data_config} --output {output} > {log} 2>&1"
 
 
@@ -112,7 +112,7 @@ rule plot_training:
     conda:
         CONDA_ENV
     shell:
-        "draftflow plot --kind training --metrics {input.drafter}/metrics.jsonl"
+        "draftflow --threads {threads} plot --kind training --metrics {input.drafter}/metrics.jsonl"
         " --output {output} > {log} 2>&1"
 
 
@@ -130,5 +130,5 @@ rule plot_acceptance:
     conda:
         CONDA_ENV
     shell:
-        "draftflow plot --kind acceptance --acceptance {input.acceptance}"
+        "draftflow --threads {threads} plot --kind acceptance --acceptance {input.acceptance}"
         " --output {output} > {log} 2>&1"

@@ -21,7 +21,7 @@ checkpoint preflight:
         ),
         path=lambda w, output: os.path.dirname(output[0]),
     shell:
-        "draftflow preflight --plan {input.plan} --path {params.path}"
+        "draftflow --threads {threads} preflight --plan {input.plan} --path {params.path}"
         " --settings {params.settings:q} --output {output} > {log} 2>&1"
 
 
@@ -43,7 +43,7 @@ rule extract:
         f"{BENCH}/extract/{{split}}/rows_{{start}}-{{end}}.tsv"
     conda:
         CONDA_ENV
-    threads: 8
+    threads: extract_threads()
     resources:
         gpu=config["extract"]["gpus_per_job"],
     params:
@@ -51,7 +51,7 @@ rule extract:
         target=lambda w: target_dir(),
         store=f"{RESULTS}/hidden_states/store",
     shell:
-        "draftflow extract --input {input.records} --split {wildcards.split}"
+        "draftflow --threads {threads} extract --input {input.records} --split {wildcards.split}"
         " --start {wildcards.start} --end {wildcards.end} --target {params.target}"
         " --store {params.store} --settings {params.settings:q} --output {output}"
         " > {log} 2>&1"
@@ -72,5 +72,5 @@ rule summarize_hidden_states:
         out_dir=lambda w, output: os.path.dirname(output.data_config),
         max_seq_len=config["merge"]["max_seq_len"],
     shell:
-        "draftflow summarize-hidden-states --ranges {input.train} {input.eval}"
+        "draftflow --threads {threads} summarize-hidden-states --ranges {input.train} {input.eval}"
         " --output-dir {params.out_dir} --max-seq-len {params.max_seq_len} > {log} 2>&1"

@@ -25,7 +25,7 @@ checkpoint merge:
         inputs=merge_input_args,
         out_dir=lambda w, output: os.path.dirname(output.manifest),
     shell:
-        "draftflow merge {params.inputs} --settings {params.settings:q}"
+        "draftflow --threads {threads} merge {params.inputs} --settings {params.settings:q}"
         " --out-dir {params.out_dir} > {log} 2>&1"
 
 
@@ -55,5 +55,5 @@ rule plan_storage:
         ),
         target=lambda w: target_dir(),
     shell:
-        "draftflow plan-storage --manifest {input.manifest} --target {params.target}"
+        "draftflow --threads {threads} plan-storage --manifest {input.manifest} --target {params.target}"
         " --settings {params.settings:q} --output {output} > {log} 2>&1"

@@ -43,6 +43,8 @@ from torch import nn
 from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from draftflow.errors import DraftflowError, reject_unknown_keys, where
 from draftflow.jsonl import atomic_path, fsync_dir, read_json, write_json
+from draftflow.progress import Progress as ProgressLog
+from draftflow.threads import default_threads, split_threads
 from draftflow.drafters.ttt import STAT_ROWS, TargetHead, TTTObjective, step_token_counts, summarize
 from draftflow.drafters.vocab import DraftVocab, load_vocab
 
@@ -851,6 +853,7 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
                 _save_best(drafter, state, run_dir / "best", summary, progress.global_step)
         return summary
 
+    ticker = ProgressLog(total_steps, "steps", resumed=progress.global_step, logger=log)
     stats_acc = torch.zeros(len(STAT_ROWS), s.ttt_steps, dtype=torch.float64, device=env.device)
     window = {"tokens": 0, "data_s": 0.0, "t0": time.perf_counter(), "steps": 0}
     last_eval = progress.last_eval
@@ -874,7 +877,8 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
             progress.epoch, progress.epoch_step = plan.epoch, step + 1
 
             if progress.global_step % s.log_every_steps == 0 or progress.global_step == total_steps:
-                _log_train(env, metrics, progress, plan.epoch, total_steps, scheduler, stats_acc, grad_norm, window, s)
+                _log_train(env, metrics, progress, plan.epoch, total_steps, scheduler, stats_acc, grad_norm, window, s,
+                           ticker)
                 stats_acc.zero_()
                 window = {"tokens": 0, "data_s": 0.0, "t0": time.perf_counter(), "steps": 0}
             end_of_epoch = step + 1 == plan.steps
@@ -937,7 +941,7 @@ def _save_best(drafter: Eagle3Drafter, state: dict, folder: Path, summary: dict,
     fsync_dir(folder.parent)
 
 
-def _log_train(env, metrics, progress, epoch, total_steps, scheduler, stats_acc, grad_norm, window, s) -> None:
+def _log_train(env, metrics, progress, epoch, total_steps, scheduler, stats_acc, grad_norm, window, s, ticker=None) -> None:
     """Once per log interval: one all-reduce and one host sync."""
     packed = torch.cat(
         [stats_acc.flatten(), torch.tensor([float(window["tokens"])], dtype=torch.float64, device=env.device)]
@@ -953,11 +957,14 @@ def _log_train(env, metrics, progress, epoch, total_steps, scheduler, stats_acc,
         "tokens": tokens, "tokens_per_s": tokens / elapsed, "data_wait": window["data_s"] / elapsed,
     }  # fmt: skip
     metrics.write(row)
-    log.info(
-        "step %d/%d | loss %.4f | acc %s | lr %.2e | %.0f tok/s | grad %.3f | data %.1f%%",
-        progress.global_step, total_steps, row["loss"], _fmt(row["step_accuracy"]), row["lr"],
-        row["tokens_per_s"], row["grad_norm"], 100 * row["data_wait"],
-    )  # fmt: skip
+    details = (
+        f"epoch {epoch} | loss {row['loss']:.4f} | acc {_fmt(row['step_accuracy'])} | lr {row['lr']:.2e} | "
+        f"{row['tokens_per_s']:.0f} tok/s | grad {row['grad_norm']:.3f} | data {100 * row['data_wait']:.1f}%"
+    )
+    if ticker is None:
+        log.info("step %d/%d | %s", progress.global_step, total_steps, details)
+    else:  # `progress: step/total steps (%), rate, elapsed, ETA | …`, read by `draftflow status`
+        ticker.update(progress.global_step, extra=details, force=True)
 
 
 # ---------------------------------------------------------------- CLI
@@ -977,8 +984,18 @@ def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
     parser.add_argument("--output", required=True, type=Path, help="final drafter folder")
 
 
+def use_threads(settings: TrainSettings, threads: int) -> TrainSettings:
+    """This process's threads: DataLoader workers (1 thread each) beside the training loop."""
+    compute, workers = split_threads(threads, settings.num_workers)
+    if workers != settings.num_workers:
+        log.warning("train.num_workers %d does not fit in %d CPU thread(s): using %d DataLoader worker(s)",
+                    settings.num_workers, threads, workers)  # fmt: skip
+    torch.set_num_threads(compute)
+    return dataclasses.replace(settings, num_workers=workers)
+
+
 def main(args: argparse.Namespace) -> int:
-    settings = TrainSettings.from_dict(args.settings)
+    settings = use_threads(TrainSettings.from_dict(args.settings), getattr(args, "threads", None) or default_threads())
     env = init_distributed(settings.gpus)
     if not env.is_main:
         logging.getLogger().setLevel(logging.WARNING)

@@ -38,6 +38,7 @@ from draftflow.evaluation.engine_counters import check_version
 from draftflow.evaluation.prompt_sets import Prompt, PromptSet, load_prompt_set, specs_from_settings
 from draftflow.evaluation.state import UnitState, folder_digest, settings_key
 from draftflow.jsonl import atomic_path, write_json, write_jsonl
+from draftflow.progress import Progress
 from draftflow.evaluation.speculative import (
     AcceptanceStats,
     DecodeResult,
@@ -250,6 +251,7 @@ def run_real(
     for proposer in proposers:
         speculative_decode(target, proposer, prompts[0].ids, max(draft_tokens), 4, eos_ids)
     record = outputs.append if outputs is not None else (lambda r: None)
+    progress = Progress(len(prompts), "prompts", every_s=10.0, logger=log)
     for n, prompt in enumerate(prompts, start=1):
         ids, answers = prompt.ids, []
         for turn in range(1, prompt.turns + 1):
@@ -272,7 +274,7 @@ def run_real(
             if turn < prompt.turns:
                 answers.append(tokenizer.decode(reference.tokens, skip_special_tokens=True))
                 ids = prompt.next_turn(tokenizer, answers)
-        log.info("prompt %d/%d (%s): %d tokens", n, len(prompts), prompt.source, len(reference.tokens))
+        progress.update(n, extra=f"{prompt.source}: {len(reference.tokens)} tokens")
     return results, greedy
 
 

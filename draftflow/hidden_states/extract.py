@@ -40,6 +40,8 @@ import numpy as np
 import torch
 
 import draftflow
+from draftflow.progress import Progress
+from draftflow.threads import default_threads, split_threads
 from draftflow.engines.capture import (
     CONVENTION,
     FINAL,
@@ -314,22 +316,19 @@ class ExtractOptions:
 
 
 class _Progress:
-    def __init__(self, label: str, every_s: float):
-        self.label, self.every_s = label, every_s
-        self.start = self.last = time.monotonic()
+    """`progress:` lines in tokens to compute (what takes the time), with the sample counts."""
+
+    def __init__(self, label: str, every_s: float, tokens_to_compute: int):
+        self.label = label
+        self.ticker = Progress(tokens_to_compute, "tokens", every_s=every_s, logger=log)
 
     def update(self, stats: ExtractStats, tokens_left: int, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self.last < self.every_s:
-            return
-        self.last = now
-        rate = stats.tokens_computed / max(now - self.start, 1e-9)
-        eta = tokens_left / rate if rate > 0 else float("nan")
         done = stats.reused + stats.duplicates + stats.computed + stats.failed
-        log.info(
-            "%s: %d/%d samples (computed %d, reused %d, failed %d), %.0f tok/s, ETA %s",
-            self.label, done, stats.samples, stats.computed, stats.reused, stats.failed, rate, _fmt_s(eta),
+        extra = (
+            f"{self.label}: {done}/{stats.samples} samples (computed {stats.computed}, "
+            f"reused {stats.reused}, failed {stats.failed})"
         )
+        self.ticker.update(self.ticker.total - tokens_left, extra=extra, force=force)
 
 
 def _fmt_s(seconds: float) -> str:
@@ -385,7 +384,7 @@ class _RangeRun:
         self.stager = _Stager(ring, torch.device(device) if on_cuda else None)
         self.writer = SampleWriter(self.store, self.options.compression_level, self.options.writer_threads)
         self.ring = ring
-        self.progress = _Progress(self.label, self.options.log_every_s)
+        self.progress = _Progress(self.label, self.options.log_every_s, self.tokens_left)
         for pos, key in enumerate(self.keys):
             if key in self.present:
                 self.futures[pos] = self.writer.submit_existing(key, self.records[pos].sample_id)
@@ -744,6 +743,14 @@ def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
     parser.add_argument("--gpu-lock-dir", type=Path, default=None, help="host-wide GPU lock folder")
 
 
+def use_threads(settings: dict, threads: int) -> dict:
+    """The job's threads: the writer pool (encode, zstd, write) runs beside the capture loop."""
+    compute, writers = split_threads(threads, int(settings.get("writer_threads", 4)))
+    torch.set_num_threads(compute)
+    log.info("%d CPU thread(s): %d for the capture, %d writer(s)", threads, compute, writers)
+    return {**settings, "writer_threads": writers}  # not a capture setting: store keys unchanged
+
+
 def main(args: argparse.Namespace) -> int:
     if args.stage == "summarize-hidden-states":
         data_config, lengths = summarize_hidden_states(args.ranges, args.max_seq_len)
@@ -755,8 +762,9 @@ def main(args: argparse.Namespace) -> int:
             data_config["bytes_stored"], data_config["compression_ratio"] or 0.0,
         )
         return 0
+    settings = use_threads(args.settings, getattr(args, "threads", None) or default_threads())
     outcome = run_extract(
-        args.input, args.split, args.start, args.end, args.target, args.store, args.settings,
+        args.input, args.split, args.start, args.end, args.target, args.store, settings,
         args.output, args.gpu_lock_dir,
     )
     return 0
