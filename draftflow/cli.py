@@ -41,7 +41,10 @@ STAGES: dict[str, tuple[str, str]] = {
     "export": ("draftflow.engines.export", "export the drafter for SGLang and vLLM"),
     "import-drafter": ("draftflow.engines.export", "import a SpecForge / SGLang-format EAGLE-3 drafter"),
     "plot": ("draftflow.plots", "render a report figure (PNG)"),
+    "status": ("draftflow.status", "where a run stands: running jobs' progress and ETA, finished stages"),
 }
+# Commands for people, not jobs: no started/finished lines (those are for `status` to read).
+QUIET_STAGES = {"status"}
 
 
 def settings_arg(text: str) -> dict:
@@ -104,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     log = logging.getLogger("draftflow")
+    if args.stage in QUIET_STAGES:
+        log = logging.getLogger("draftflow.quiet")
+        log.setLevel(logging.WARNING)
     # `draftflow status` reads these lines: which job runs (pid, host), finished or failed.
     log.info("draftflow %s: started (pid %d on %s, %d CPU threads)", args.stage, os.getpid(),
              socket.gethostname(), args.threads)  # fmt: skip

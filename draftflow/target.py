@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from draftflow.errors import DraftflowError
-from draftflow.jsonl import fsync_dir, read_json, read_jsonl, write_json
+from draftflow.jsonl import file_mode, fsync_dir, read_json, read_jsonl, write_json
 from draftflow.progress import Progress
 from draftflow.threads import torch_threads
 
@@ -518,6 +518,9 @@ def build_target(settings: BuiltinSettings, output: str | Path) -> BuildReport:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         make_tokenizer_config_portable(tmp)
+        for file in tmp.iterdir():  # safetensors writes 0600
+            if file.is_file():
+                file.chmod(file_mode())
         write_json(
             tmp / "build_log.json",
             {

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -359,16 +361,17 @@ def test_the_default_export_targets_the_schema_default_releases():
 # ---------------------------------------------------------------- launch commands
 
 
-def run_launch(script, tmp_path, program: str) -> list[str]:
+def run_launch(script, tmp_path, program: str, *args: str, **env_vars: str) -> list[str]:
     """Run launch.sh with a stub `program` on PATH that records its argv."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     record = tmp_path / f"{program}.argv.json"
     stub = bin_dir / program
-    stub.write_text(f'#!/usr/bin/env python3\nimport json, sys\njson.dump(sys.argv[1:], open("{record}", "w"))\n')
+    stub.write_text(f'#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open("{record}", "w"))\n')
     stub.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
-    subprocess.run(["bash", str(script), "--port", "30000"], check=True, env=env, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k not in ("TARGET", "DRAFTER", "PYTHON")}
+    env.update(env_vars, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    subprocess.run(["bash", str(script), *args, "--port", "30000"], check=True, env=env, timeout=60)
     return json.loads(record.read_text())
 
 
@@ -376,7 +379,7 @@ def test_launch_scripts_run_the_exact_server_commands(saved, tmp_path):
     export(saved, "out", num_speculative_tokens=4)
     target = str((saved / "target").resolve())
     sg = (saved / "out" / "sglang").resolve()
-    argv = run_launch(sg / "launch.sh", tmp_path, "python")
+    argv = run_launch(sg / "launch.sh", tmp_path, "python3")
     assert argv == [
         "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm", "EAGLE3",
         "--speculative-draft-model-path", str(sg), "--speculative-num-steps", "4", "--speculative-eagle-topk", "1",
@@ -387,6 +390,40 @@ def test_launch_scripts_run_the_exact_server_commands(saved, tmp_path):
     assert argv[:4] == ["serve", target, "--tensor-parallel-size", "2"]
     assert argv[4] == "--speculative-config" and argv[6:] == ["--port", "30000"]
     assert json.loads(argv[5]) == {"method": "eagle3", "model": str(vl), "num_speculative_tokens": 4}
+
+
+def test_moved_export_serves_a_target_given_by_argument_or_environment(saved, tmp_path):
+    """launch.sh hard-codes nothing of the machine that built it: copied elsewhere it serves its
+    own folder, and the target comes from its first argument or $TARGET (default: recorded)."""
+    export(saved, "out-moved", num_speculative_tokens=3)
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(saved / "out-moved", moved)
+    shutil.rmtree(saved / "out-moved")
+    other = tmp_path / "other-target"
+    argv = run_launch(moved / "sglang" / "launch.sh", tmp_path, "python3", str(other))
+    assert argv[argv.index("--model-path") + 1] == str(other)
+    assert argv[argv.index("--speculative-draft-model-path") + 1] == str(moved / "sglang")
+    assert argv[-2:] == ["--port", "30000"]
+    argv = run_launch(moved / "vllm" / "launch.sh", tmp_path, "vllm", TARGET=str(other), DRAFTER="/srv/drafter")
+    assert argv[1] == str(other)
+    assert json.loads(argv[argv.index("--speculative-config") + 1])["model"] == "/srv/drafter"
+    argv = run_launch(moved / "sglang" / "launch.sh", tmp_path, "python3")  # the recorded target
+    assert argv[argv.index("--model-path") + 1] == str((saved / "target").resolve())
+
+
+def test_exported_files_get_the_umask_modes(saved):
+    """safetensors alone writes 0600; exports are for others to serve (0644 under umask 022)."""
+    old = os.umask(0o022)
+    try:
+        export(saved, "out-modes")
+    finally:
+        os.umask(old)
+    for engine in ("sglang", "vllm"):
+        folder = saved / "out-modes" / engine
+        assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o644
+        assert (folder / "config.json").stat().st_mode & 0o777 == 0o644
+        assert (folder / "launch.sh").stat().st_mode & 0o777 == 0o755
+    assert (saved / "drafter" / "model.safetensors").stat().st_mode & 0o777 == 0o644
 
 
 # ---------------------------------------------------------------- round trips

@@ -42,7 +42,7 @@ from torch import nn
 
 from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from draftflow.errors import DraftflowError, reject_unknown_keys, where
-from draftflow.jsonl import atomic_path, fsync_dir, read_json, write_json
+from draftflow.jsonl import atomic_path, file_mode, fsync_dir, read_json, write_json
 from draftflow.progress import Progress as ProgressLog
 from draftflow.threads import default_threads, split_threads
 from draftflow.drafters.ttt import STAT_ROWS, TargetHead, TTTObjective, step_token_counts, summarize
@@ -353,7 +353,7 @@ def save_drafter(
     out_dir.mkdir(parents=True, exist_ok=True)
     state = drafter.export_state_dict() if state is None else state
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in state.items()}
-    with atomic_path(out_dir / "model.safetensors") as tmp:
+    with atomic_path(out_dir / "model.safetensors", mode=file_mode()) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     config = drafter.config.to_dict()
     config["torch_dtype"] = str(dtype).removeprefix("torch.")

@@ -8,7 +8,7 @@ Export writes, under --output-dir:
   `fc`, `midlayer.*` → `model.layers.0.*`, `layers.{i}.*` → `model.layers.{i}.*`, `norm`,
   `lm_head`, `d2t` → hot_token_id = d2t + arange, `t2d` skipped; q/k/v and gate/up are stacked
   by its `load_weights`, which skips unknown names silently; no embedding: SGLang shares the
-  target's), plus launch.sh (`python -m sglang.launch_server … --speculative-algorithm EAGLE3`);
+  target's), plus launch.sh (`python3 -m sglang.launch_server … --speculative-algorithm EAGLE3`);
 * `vllm/`: the speculators format (vllm-project/speculators src/speculators/models/eagle3/
   config.py `Eagle3SpeculatorConfig`, read by vLLM's
   vllm/transformers_utils/configs/speculators/{base,algos}.py) with tensors named as the
@@ -44,7 +44,7 @@ import torch
 from draftflow.drafters.eagle3 import ARCHITECTURE, Eagle3Config, Eagle3Drafter
 from draftflow.engines.layer_ids import DraftIds, aux_from_draft_ids, draft_config_ids
 from draftflow.errors import DraftflowError, reject_unknown_keys
-from draftflow.jsonl import atomic_path, read_json, write_json
+from draftflow.jsonl import atomic_path, file_mode, read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, tor
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
-    with atomic_path(path) as tmp:
+    with atomic_path(path, mode=file_mode()) as tmp:  # safetensors alone writes 0600
         save_file(tensors, str(tmp), metadata={"format": "pt"})
 
 
@@ -140,15 +140,23 @@ def sglang_tensors(tensors: dict[str, torch.Tensor], cfg: Eagle3Config) -> dict[
     return {**tensors, **_unused_norms(cfg, "input_layernorm", tensors["norm.weight"])}
 
 
-def launch_script(header: str, command: list[str], extra: str = "") -> str:
-    """A bash script: the drafter is the script's own folder, TARGET may be overridden."""
+def launch_script(header: str, command: list[str], target_path: Path, extra: str = "") -> str:
+    """A bash script that runs anywhere: `launch.sh [TARGET_DIR] [server args…]`.
+
+    The target: the first argument (when it is not an option), else $TARGET, else the path
+    recorded at export. The drafter: $DRAFTER, else the script's own folder.
+    """
     lines = [shlex.quote(a) if not a.startswith('"$') else a for a in command]
     return (
         "#!/usr/bin/env bash\n"
         f"# {header}\n"
-        "# Extra arguments are passed on to the server. Override the target with TARGET=/path.\n"
+        "# Usage: launch.sh [TARGET_DIR] [server arguments...]\n"
+        "#   TARGET_DIR (or $TARGET): the target model; default: the path recorded at export.\n"
+        "#   $DRAFTER: this drafter's folder (default: the script's own); $PYTHON (default: python3).\n"
         "set -euo pipefail\n"
-        'DRAFTER="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"\n'
+        'DRAFTER="${DRAFTER:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}"\n'
+        f'TARGET="${{TARGET:-{shlex.quote(str(target_path))}}}"\n'
+        'if [[ $# -gt 0 && $1 != -* ]]; then TARGET=$1; shift; fi\n'
         f"{extra}"
         "exec " + " \\\n  ".join(lines) + ' \\\n  "$@"\n'
     )
@@ -156,7 +164,7 @@ def launch_script(header: str, command: list[str], extra: str = "") -> str:
 
 def sglang_launch(target_path: Path, steps: int, tp: int, trust_remote_code: bool, version: str) -> str:
     command = [
-        "python", "-m", "sglang.launch_server",
+        '"${PYTHON:-python3}"', "-m", "sglang.launch_server",
         "--model-path", '"$TARGET"',
         "--speculative-algorithm", "EAGLE3",
         "--speculative-draft-model-path", '"$DRAFTER"',
@@ -167,8 +175,7 @@ def sglang_launch(target_path: Path, steps: int, tp: int, trust_remote_code: boo
     ]  # fmt: skip
     if trust_remote_code:
         command.append("--trust-remote-code")
-    target = f'TARGET="${{TARGET:-{shlex.quote(str(target_path))}}}"\n'
-    return launch_script(f"SGLang {version}: serve the target with this EAGLE-3 drafter.", command, target)
+    return launch_script(f"SGLang {version}: serve the target with this EAGLE-3 drafter.", command, target_path)
 
 
 # ---------------------------------------------------------------- vLLM (speculators format)
@@ -278,12 +285,9 @@ def vllm_launch(target_path: Path, steps: int, tp: int, trust_remote_code: bool,
     command = ["vllm", "serve", '"$TARGET"', "--tensor-parallel-size", str(tp), "--speculative-config", '"$SPEC"']
     if trust_remote_code:
         command.append("--trust-remote-code")
-    extra = (
-        f'TARGET="${{TARGET:-{shlex.quote(str(target_path))}}}"\n'
-        f'SPEC=$(printf \'{{"method": "eagle3", "model": "%s", "num_speculative_tokens": {steps}}}\' "$DRAFTER")\n'
-    )
+    extra = f'SPEC=$(printf \'{{"method": "eagle3", "model": "%s", "num_speculative_tokens": {steps}}}\' "$DRAFTER")\n'
     return launch_script(
-        f"vLLM {version}: serve the target with this EAGLE-3 drafter (speculators format).", command, extra
+        f"vLLM {version}: serve the target with this EAGLE-3 drafter (speculators format).", command, target_path, extra
     )
 
 
