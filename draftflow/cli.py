@@ -41,6 +41,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "export": ("draftflow.engines.export", "export the drafter for SGLang and vLLM"),
     "import-drafter": ("draftflow.engines.export", "import a SpecForge / SGLang-format EAGLE-3 drafter"),
     "plot": ("draftflow.plots", "render a report figure (PNG)"),
+    "summary": ("draftflow.summary", "write the report's summary page (headline figures and tables)"),
     "status": ("draftflow.status", "where a run stands: running jobs' progress and ETA, finished stages"),
 }
 # Commands for people, not jobs: no started/finished lines (those are for `status` to read).

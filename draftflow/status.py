@@ -34,13 +34,14 @@ STAGE_ORDER = (
     "preflight", "extract", "summarize_hidden_states", "vocab", "train", "evaluate", "export", "plots",
 )  # fmt: skip
 REMOTE_STALE_S = 600.0  # a log on another host unchanged this long: not taken as running
+STARTING_S = 120.0  # a log without a `started` line younger than this: a job starting up
 
 
 @dataclass
 class JobStatus:
     rule: str  # the log's first folder (or its name, for top-level logs)
     job: str  # the log path under logs/, without .log
-    state: str  # running | done | failed | interrupted | unknown
+    state: str  # starting | running | done | failed | interrupted | unknown
     stage: str | None = None
     pid: int | None = None
     host: str | None = None
@@ -88,9 +89,11 @@ def read_job(path: Path, logs: Path, now: float) -> JobStatus:
     if start is not None:
         status.stage, status.host = start["stage"], start["host"]
         status.pid, status.threads = int(start["pid"]), int(start["threads"])
-    if end is not None:
+    if start is None:  # the shell opened the log; Python is still importing, or never ran
+        status.state = "starting" if age < STARTING_S else "unknown"
+    elif end is not None:
         status.state = "done" if end["outcome"] == "finished" else "failed"
-    elif start is not None:
+    else:
         alive = _alive(status.pid, status.host)
         if alive is None:
             alive = age < REMOTE_STALE_S
@@ -180,9 +183,12 @@ def render(status: RunStatus) -> str:
         out.append("Snakemake: a run holds this directory (no step finished yet)" if sm["locked"] else "")
     else:
         out.append("Snakemake: no run log in .snakemake/log (run from the workflow's directory?)")
-    running = [j for j in status.jobs if j.state == "running"]
+    running = [j for j in status.jobs if j.state in ("running", "starting")]
     out.append(f"\nrunning jobs ({len(running)}):" if running else "\nrunning jobs: none")
     for job in running:
+        if job.state == "starting":
+            out.append(f"  {job.job:<40} starting")
+            continue
         where = f"pid {job.pid} on {job.host}, {job.threads} threads"
         out.append(f"  {job.job:<40} {progress_text(job)}  ({where}; log updated {format_seconds(job.updated_s_ago)} ago)")
     trouble = [j for j in status.jobs if j.state in ("failed", "interrupted")]
@@ -191,7 +197,7 @@ def render(status: RunStatus) -> str:
         for job in trouble:
             out.append(f"  {job.job:<40} {job.state}: see {status.results}/logs/{job.job}.log")
     out.append("\nstages:")
-    states = ("done", "running", "failed", "interrupted", "unknown")
+    states = ("done", "starting", "running", "failed", "interrupted", "unknown")
     for rule, counts in status.stages.items():
         done = f"{counts.get('done', 0)}/{counts['total']}" if "total" in counts else str(counts.get("done", 0))
         rest = ", ".join(f"{counts[s]} {s}" for s in states[1:] if counts.get(s))

@@ -42,6 +42,7 @@ RESULTS = config["results"]
 LOGS = f"{RESULTS}/logs"
 BENCH = f"{RESULTS}/benchmarks"
 STATE = f"{RESULTS}/state"
+SUMMARY_PAGE = f"{RESULTS}/report/summary.rst"
 BUILTIN_TARGET = "builtin:tiny-llama"
 
 
@@ -240,6 +241,7 @@ def final_outputs() -> list:
         f"{RESULTS}/drafter",
         f"{RESULTS}/eval/acceptance.json",
         f"{RESULTS}/export/export.json",
+        SUMMARY_PAGE,
         *(
             f"{RESULTS}/plots/{kind}.png"
             for kind in ("lengths", "storage", "training", "acceptance")

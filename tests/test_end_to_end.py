@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import base64
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,3 +135,45 @@ def test_default_workflow_end_to_end(tmp_path):
         assert png in html, f"{kind}.png is not embedded in the report"
         caption = (REPO / "report" / f"{kind}.rst").read_text().split()
         assert " ".join(caption[:4]) in html, f"caption of {kind}.png missing: {' '.join(caption[:4])!r}"
+
+    # The report opens on the run's summary: headline figures and tables as text.
+    summary = (results / "report" / "summary.rst").read_text()
+    real = f"{acceptance['acceptance_length']:.3f}"
+    simulated = f"{acceptance['acceptance_length_simulated']:.3f}"
+    ngram = f"{acceptance['ngram'][str(k)]['acceptance_length']:.3f}"
+    for text in (f"acceptance length τ, real (K = {k})", real, simulated, ngram, "speedup over greedy decoding"):
+        assert text in summary, text
+    desc = html.encode().decode("unicode_escape", errors="ignore")  # the description sits in a JS string
+    assert f"real (K = {k})</td>\n<td>{real}</td>" in desc, "headline table not on the report's first page"
+    total = manifest["total"]["all"]
+    assert f"{total['samples']:,} samples, {total['tokens']:,} tokens" in desc
+    for dataset in config["datasets"]:  # stats.csv inline, one row per dataset and split
+        assert f"<td>{dataset}</td>" in desc, dataset
+
+    # Every job used exactly its declared threads (2 cores: rules asking more get 2).
+    logs = results / "logs"
+    expected = {"build_target.log": 1, "train.log": 2, "evaluate.log": 2, "merge.log": 1, "export.log": 1}
+    expected.update({str(p.relative_to(logs)): 2 for p in logs.glob("extract/*/*.log")})
+    expected.update({str(p.relative_to(logs)): 2 for p in logs.glob("regenerate/*/*.log")})
+    expected.update({str(p.relative_to(logs)): 1 for p in logs.glob("tokenize/*/*.log")})
+    for name, threads in expected.items():
+        text = (logs / name).read_text()
+        usage = re.findall(r"finished in [\d.]+s; (\d+) CPU thread\(s\); torch intra-op (\d+), inter-op (\d+); "
+                           r"threads that used CPU (\d+) of", text)  # fmt: skip
+        assert usage, f"{name}: no thread report\n{text[-1500:]}"
+        n, intra, inter, busy = map(int, usage[-1])
+        assert n == threads and intra <= n and inter <= n and 1 <= busy <= n, (name, usage[-1])
+
+    # `draftflow status` on the finished run: every job done, Snakemake at N of N steps.
+    proc = subprocess.run([sys.executable, "-m", "draftflow.cli", "status", "--json"], cwd=workdir,
+                          capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    status = json.loads(proc.stdout)
+    assert {job["state"] for job in status["jobs"]} == {"done"}, [j for j in status["jobs"] if j["state"] != "done"]
+    assert status["stages"]["extract"] == {"done": len(manifest["ranges"]["train"]) + len(manifest["ranges"]["eval"]),
+                                           "total": len(manifest["ranges"]["train"]) + len(manifest["ranges"]["eval"])}
+    assert {"build_target", "train", "evaluate", "export", "summary"} <= set(status["stages"])
+    sm = status["snakemake"]
+    assert sm["done"] == sm["total"] and not sm["locked"], sm
+    for job in status["jobs"]:
+        if job["rule"] in ("build_target", "train", "evaluate") or job["rule"] == "extract":
+            assert job["progress"] and job["progress"]["done"] == job["progress"]["total"], job

@@ -854,6 +854,7 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
         return summary
 
     ticker = ProgressLog(total_steps, "steps", resumed=progress.global_step, logger=log)
+    ticker.update(progress.global_step, force=True)  # done/total from the start: `draftflow status` sees it
     stats_acc = torch.zeros(len(STAT_ROWS), s.ttt_steps, dtype=torch.float64, device=env.device)
     window = {"tokens": 0, "data_s": 0.0, "t0": time.perf_counter(), "steps": 0}
     last_eval = progress.last_eval

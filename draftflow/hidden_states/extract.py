@@ -385,6 +385,7 @@ class _RangeRun:
         self.writer = SampleWriter(self.store, self.options.compression_level, self.options.writer_threads)
         self.ring = ring
         self.progress = _Progress(self.label, self.options.log_every_s, self.tokens_left)
+        self.progress.update(self.stats, self.tokens_left, force=True)  # 0/total: `draftflow status` sees the job
         for pos, key in enumerate(self.keys):
             if key in self.present:
                 self.futures[pos] = self.writer.submit_existing(key, self.records[pos].sample_id)
