@@ -282,7 +282,8 @@ def extract_threads() -> int:
 
 def train_threads() -> int:
     """Per node. GPUs: each process drives its GPU from one thread, with train.num_workers
-    DataLoader workers beside it. CPU: one process whose torch pool takes what is left."""
+    DataLoader workers beside it. CPU: one process whose torch pool takes what is left.
+    """
     workers = config["train"]["num_workers"]
     if config["train"]["gpus"]:
         return config["train"]["gpus"] * (1 + workers)

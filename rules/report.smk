@@ -17,5 +17,9 @@ rule summary:
         f"{LOGS}/summary.log",
     conda:
         CONDA_ENV
+    params:
+        # the page reads the run's outputs under results/ (the inputs above, and more to come)
+        results=lambda w, input: os.path.dirname(os.path.dirname(input.manifest)),
     shell:
-        "draftflow --threads {threads} summary --results {RESULTS} --output {output} > {log} 2>&1"
+        "draftflow --threads {threads} summary --results {params.results} --output {output}"
+        " > {log} 2>&1"
