@@ -92,7 +92,8 @@ class _TorchThreadsOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name != "torch":
             return None
-        sys.meta_path.remove(self)  # one shot
+        # Also asked by `importlib.util.find_spec("torch")` (transformers' availability check),
+        # which imports nothing: the hook stays until torch really executes.
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return None  # found elsewhere: imported without the hook (env variables still apply)
@@ -100,6 +101,8 @@ class _TorchThreadsOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module) -> None:  # on this one loader instance only
             run(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             set_torch_threads(self.n)
 
         spec.loader.exec_module = exec_module

@@ -64,8 +64,10 @@ def test_torch_imported_after_apply_runs_on_exactly_n_threads(n):
     """Stages import torch lazily: its intra- and inter-op pools still get n, and a parallel
     matmul loop keeps at most n threads busy (per-thread CPU time from /proc)."""
     out = run_python(f"""
+        import importlib.util
         from draftflow.threads import apply_threads, usage_line
         apply_threads({n})
+        assert importlib.util.find_spec("torch")  # transformers asks first, imports later
         import torch
         a = torch.randn(512, 512)
         for _ in range(150):
