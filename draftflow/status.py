@@ -106,20 +106,23 @@ def read_job(path: Path, logs: Path, now: float) -> JobStatus:
 
 
 def snakemake_progress(workdir: Path) -> dict | None:
-    """The newest Snakemake log's last "N of M steps (x%) done", and whether a run holds the lock."""
+    """The last "N of M steps (x%) done" of the newest Snakemake log that ran jobs (a later
+    `--report` or "nothing to be done" writes a log without steps), and whether a run holds
+    the lock."""
     logs = sorted((workdir / ".snakemake" / "log").glob("*.snakemake.log"), key=lambda p: p.stat().st_mtime)
     locks = workdir / ".snakemake" / "locks"
     locked = locks.is_dir() and any(locks.iterdir())
-    if not logs:
-        return {"locked": locked} if locked else None
-    found = None
-    for line in logs[-1].read_text(encoding="utf-8", errors="replace").splitlines():
-        if m := STEPS_RE.search(line):
-            found = m
-    out = {"log": str(logs[-1]), "locked": locked}
-    if found:
-        out.update(done=int(found["done"]), total=int(found["total"]), percent=found["percent"])
-    return out
+    for log in reversed(logs[-20:]):
+        found = None
+        for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+            if m := STEPS_RE.search(line):
+                found = m
+        if found:
+            return {"log": str(log), "locked": locked, "done": int(found["done"]),
+                    "total": int(found["total"]), "percent": found["percent"]}  # fmt: skip
+        if locked:
+            break  # the running Snakemake's own log: no step finished yet
+    return {"locked": locked} if locked or logs else None
 
 
 def planned_jobs(results: Path) -> dict[str, int]:
@@ -180,7 +183,8 @@ def render(status: RunStatus) -> str:
         lock = "; a Snakemake run holds this directory" if sm["locked"] else ""
         out.append(f"Snakemake: {sm['done']} of {sm['total']} steps ({sm['percent']}) done{lock}  [{sm['log']}]")
     elif sm:
-        out.append("Snakemake: a run holds this directory (no step finished yet)" if sm["locked"] else "")
+        out.append("Snakemake: a run holds this directory (no step finished yet)" if sm["locked"]
+                   else "Snakemake: no job finished in the recent runs")
     else:
         out.append("Snakemake: no run log in .snakemake/log (run from the workflow's directory?)")
     running = [j for j in status.jobs if j.state in ("running", "starting")]
