@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 PROGRESS_RE = re.compile(
     r"progress: (?P<done>\d+)/(?P<total>\d+) (?P<unit>\S+) \((?P<percent>[\d.]+)%\), "
-    r"(?P<rate>[\d.]+|\?) \S+/s, elapsed (?P<elapsed>\S+), ETA (?P<eta>\S+)(?: \| (?P<extra>.*))?$"
+    r"(?P<rate>[\d.]+(?:e[+-]?\d+)?|\?) \S+/s, elapsed (?P<elapsed>\S+), ETA (?P<eta>\S+)(?: \| (?P<extra>.*))?$"
 )
 
 
@@ -36,6 +36,13 @@ def format_seconds(seconds: float) -> str:
     if hours:
         return f"{hours}h{m:02d}m{s:02d}s"
     return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def format_rate(rate: float | None) -> str:
+    """7321.4 -> '7321', 2.456 -> '2.46', 0.00123 -> '0.00123' (no exponents); None -> '?'."""
+    if rate is None:
+        return "?"
+    return f"{rate:.0f}" if rate >= 100 else f"{rate:.3g}" if rate >= 0.001 else f"{rate:.6f}"
 
 
 def parse_seconds(text: str) -> float | None:
@@ -116,7 +123,7 @@ class Progress:
         percent = 100.0 * self.done / self.total if self.total else 100.0
         text = (
             f"progress: {self.done}/{self.total} {self.unit} ({percent:.1f}%), "
-            f"{'?' if rate is None else f'{rate:.3g}'} {self.unit}/s, "
+            f"{format_rate(rate)} {self.unit}/s, "
             f"elapsed {format_seconds(now - self.start)}, ETA {format_seconds(self.eta_s(now))}"
         )
         return f"{text} | {extra}" if extra else text

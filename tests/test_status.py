@@ -32,6 +32,15 @@ def test_progress_line_round_trip(caplog):
     assert last.done == 400 and last.eta_s == 0 and last.extra == "loss 1.5"
 
 
+def test_fast_and_slow_rates_parse_back():
+    for rate in (7321.4, 2.456, 0.00123, 1e-7):
+        ticker = Progress(10**9, "tokens")
+        ticker.done, ticker.start = 10**6, 0.0
+        line = parse_progress(ticker.line(now=10**6 / rate))
+        assert line is not None and abs(line.rate - rate) <= 0.01 * rate + 1e-6, (rate, ticker.line(now=10**6 / rate))
+    assert parse_progress("progress: 5/9 tokens (55.6%), 7.32e+03 tokens/s, elapsed 1s, ETA 0s").rate == 7320
+
+
 def test_seconds_format_both_ways():
     for seconds, text in ((0, "0s"), (59, "59s"), (312, "5m12s"), (7512, "2h05m12s")):
         assert format_seconds(seconds) == text and parse_seconds(text) == seconds
