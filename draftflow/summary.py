@@ -124,8 +124,10 @@ def _escape(text: str) -> str:
     return "\\" + text if text[:1] in "-+#" and text != "–" else text
 
 
-def _k_max(acceptance: dict) -> str:
-    return str(max(int(k) for k in acceptance["eagle3"]))
+def _k_max(acceptance: dict) -> str | None:
+    """The largest K measured (the headline's), None when nothing was (a served engine that failed)."""
+    ks = [int(k) for k in acceptance.get("eagle3") or {}]
+    return str(max(ks)) if ks else None
 
 
 # ---------------------------------------------------------------- sections (page order)
@@ -136,7 +138,7 @@ def section_headline(run: RunFiles) -> Section | None:
     if not (acc or merged or drafter):
         return None
     rows: list[list[Any]] = []
-    if acc:
+    if acc and _k_max(acc):
         k = _k_max(acc)
         eagle, ngram = acc["eagle3"][k], acc.get("ngram", {}).get(k, {})
         rows += [
@@ -145,7 +147,8 @@ def section_headline(run: RunFiles) -> Section | None:
              "teacher-forced on the eval split's hidden states"],
             [f"n-gram baseline τ (K = {k})", fixed(ngram.get("acceptance_length")), "prompt lookup, same verify loop"],
             [f"speedup over greedy decoding (K = {k})", _speedup(eagle.get("speedup")),
-             f"n-gram: {_speedup(ngram.get('speedup'))}; {acc.get('device', '?')}, {acc.get('dtype', '?')}"],
+             f"n-gram: {_speedup(ngram.get('speedup'))}; engine {acc.get('engine', 'hf')}, "
+             f"{acc.get('device', '?')}, {acc.get('dtype', '?')}"],
         ]  # fmt: skip
     if drafter:
         rows.append(["drafter τ at the end of training (simulated)", fixed(drafter.get("simulated_acceptance_length")),
@@ -185,9 +188,9 @@ def section_acceptance(run: RunFiles) -> Section | None:
 def section_alpha(run: RunFiles) -> Section | None:
     """Per-position conditional acceptance α_k: real decoding against teacher-forced."""
     acc = run.acceptance
-    if not acc:
+    k = _k_max(acc) if acc else None
+    if k is None:
         return None
-    k = _k_max(acc)
     real = acc["eagle3"][k].get("alpha") or []
     simulated = (acc.get("simulated") or {}).get("alpha") or []
     ngram = acc.get("ngram", {}).get(k, {}).get("alpha") or []
@@ -201,6 +204,19 @@ def section_alpha(run: RunFiles) -> Section | None:
 
 def _at(values: Sequence[Any], i: int) -> Any:
     return values[i] if i < len(values) else None
+
+
+def section_prompt_sets(run: RunFiles) -> Section | None:
+    """acceptance.json `per_set`: one row per prompt set, method, K and temperature."""
+    rows = (run.acceptance or {}).get("per_set") or []
+    if not rows:
+        return None
+    body = [[r.get("prompt_set"), r.get("method"), r.get("draft_tokens") or "–", r.get("temperature"),
+             fixed(r.get("acceptance_length")), _speedup(r.get("speedup")), r.get("tokens_per_second"),
+             r.get("requests")] for r in rows]  # fmt: skip
+    note = "The baseline row is decoding without a drafter; speedup = its time / the method's time."
+    header = ["prompt set", "method", "K", "temperature", "τ", "speedup", "tokens/s", "requests"]
+    return Section("Acceptance length per prompt set", table(header, body), note)
 
 
 def section_datasets(run: RunFiles) -> Section | None:
@@ -272,6 +288,7 @@ SECTIONS: list[Callable[[RunFiles], Section | None]] = [
     section_headline,
     section_acceptance,
     section_alpha,
+    section_prompt_sets,
     section_datasets,
     section_storage,
     section_training,
