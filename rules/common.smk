@@ -280,6 +280,12 @@ def extract_threads() -> int:
     return config["extract"]["writer_threads"] + 1
 
 
+def evaluate_threads() -> int:
+    """The HF engine decodes on CPU threads, and so do the servers the stage launches (which
+    inherit the job's thread variables); against a running endpoint it only sends requests."""
+    return 4 if evaluate_engine() == "hf" or evaluate_launches() else 1
+
+
 def train_threads() -> int:
     """Per node. GPUs: each process drives its GPU from one thread, with train.num_workers
     DataLoader workers beside it. CPU: one process whose torch pool takes what is left.

@@ -20,7 +20,7 @@ rule evaluate:
         f"{BENCH}/evaluate.tsv"
     conda:
         CONDA_ENV
-    threads: 4
+    threads: evaluate_threads()
     resources:
         gpu=evaluate_gpus(),
     params:
