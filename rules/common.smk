@@ -282,7 +282,8 @@ def extract_threads() -> int:
 
 def evaluate_threads() -> int:
     """The HF engine decodes on CPU threads, and so do the servers the stage launches (which
-    inherit the job's thread variables); against a running endpoint it only sends requests."""
+    inherit the job's thread variables); against a running endpoint it only sends requests.
+    """
     return 4 if evaluate_engine() == "hf" or evaluate_launches() else 1
 
 
