@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from draftflow.drafters.eagle3 import VARIANT_FLAGS, Eagle3Config, Eagle3Drafter
+from draftflow.drafters.losses import LOSSES
 from draftflow.errors import DraftflowError, reject_unknown_keys, where
 from draftflow.jsonl import atomic_path, file_mode, fsync_dir, read_json, write_json
 from draftflow.progress import Progress as ProgressLog
@@ -71,6 +72,11 @@ class TrainSettings:
     draft_vocab_size: int = 32000
     ttt_steps: int = 7
     step_weight_decay: float = 0.8
+    loss: str = "soft_ce"  # a name of drafters.losses.LOSSES
+    # speculators' EAGLE-3 recipe norms (drafters.eagle3.VARIANT_FLAGS); all off = SGLang's layout
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
     epochs: float = 1.0
     batch_tokens: int = 8192
     learning_rate: float = 1e-4
@@ -103,6 +109,8 @@ class TrainSettings:
             )
         if s.compile not in ("auto", True, False):
             raise DraftflowError(f"train --settings: 'compile' must be auto, true or false, got {s.compile!r}")
+        if s.loss not in LOSSES:
+            raise DraftflowError(f"train --settings: 'loss' must be one of {', '.join(LOSSES)}, got {s.loss!r}")
         if s.schedule not in ("cosine", "linear", "constant"):
             raise DraftflowError(f"train --settings: 'schedule' must be cosine, linear or constant, got {s.schedule!r}")
         for name in ("ttt_steps", "batch_tokens", "grad_accum", "num_hidden_layers", "log_every_steps"):
@@ -312,6 +320,7 @@ def build_drafter(
         tcfg, draft_vocab_size=vocab.size, aux_layer_ids=list(s.aux_layer_ids), num_hidden_layers=s.num_hidden_layers,
         ttt_steps=s.ttt_steps, target=target_identity(target_dir), target_path=str(Path(target_dir).resolve()),
     )  # fmt: skip
+    cfg = dataclasses.replace(cfg, **{k: getattr(s, k) for k in VARIANT_FLAGS})
     if vocab.t2d.shape[0] != cfg.vocab_size:
         raise DraftflowError(
             f"draft vocabulary covers {vocab.t2d.shape[0]} target ids, the target has {cfg.vocab_size}"
@@ -802,7 +811,9 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
 
     drafter.to(env.device)
     target_head.to(env.device, dtype=torch.bfloat16 if cuda else torch.float32)
-    objective = TTTObjective(drafter, s.ttt_steps, s.step_weight_decay, compile=use_compile(s.compile, env.device))
+    objective = TTTObjective(
+        drafter, s.ttt_steps, s.step_weight_decay, compile=use_compile(s.compile, env.device), loss=s.loss
+    )
     model = wrap_parallel(objective, env, s.fsdp and env.world_size > 1)
     optimizer, scheduler = make_optimizer(drafter, s, total_steps, fused=cuda)
     fsdp = s.fsdp and env.world_size > 1

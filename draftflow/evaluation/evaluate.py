@@ -132,6 +132,18 @@ class SimulatedAcceptance:
             self.hits[k] += int((chain >= k + 1).sum())
         self.samples += 1
 
+    def add_expected(self, accept: torch.Tensor, counts: torch.Tensor) -> None:
+        """Sampling: accept [steps, T] the probability that step k of anchor j is accepted
+        (Σ min(p, q)), counts as in `add`. Trials and hits become expected counts: the chain
+        reaches step k with probability Π_{i<k} accept_i."""
+        reach = torch.ones_like(accept[0], dtype=torch.float64)
+        for k in range(self.steps):
+            a = accept[k].double() * counts[k]
+            self.trials[k] += float((reach * counts[k]).sum())
+            reach = reach * a
+            self.hits[k] += float(reach.sum())
+        self.samples += 1
+
     @property
     def alpha(self) -> list[float]:
         return [h / t if t else 0.0 for h, t in zip(self.hits, self.trials)]
@@ -178,16 +190,49 @@ def chain_lengths(
     return chain.cpu(), counts.cpu()
 
 
-def simulate(drafter, head: TargetHead, reader, steps: int, max_samples: int | None = None) -> SimulatedAcceptance:
-    """Simulated acceptance over the samples of a `storage.HiddenStateReader`."""
+@torch.no_grad()
+def chain_overlaps(
+    drafter, head: TargetHead, input_ids, loss_mask, hidden: torch.Tensor, steps: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced acceptance probabilities under speculative sampling at `temperature` > 0.
+
+    Same inputs as `chain_lengths`. Returns (accept [steps, T]: Σ_v min(p_v, q_v) for step k of
+    anchor j, with p the target's softmax(z / temperature) over its whole vocabulary (tokens
+    outside the draft vocabulary can never be drafted) and q the drafter's, counts [steps, T]).
+    The chain is teacher forced on the data tokens: an approximation of sampling, where the
+    accepted tokens are themselves random.
+    """
+    T = input_ids.shape[0]
+    device = drafter.fc.weight.device
+    ids = torch.as_tensor(input_ids, device=device).long()[None]
+    mask = torch.as_tensor(loss_mask, device=device).bool()
+    hidden = hidden.to(device)
+    z = hidden[:, -1].to(head.weight.dtype) @ head.weight.T  # [T, V] target logits
+    p = torch.softmax(z.double() / temperature, -1)[:, head.draft_ids]  # [T, Vd], not renormalized
+    counts = torch.zeros(steps, T, dtype=torch.bool, device=device)
+    accept = torch.zeros(steps, T, dtype=torch.float64, device=device)
+    for k, (logits, _) in enumerate(unroll(drafter, ids, hidden[None, :, :-1], steps)):
+        R = max(T - 2 - k, 0)
+        counts[k, :R] = mask[2 + k :]
+        q = torch.softmax(logits[0, :R].double() / temperature, -1)  # [R, Vd]
+        accept[k, :R] = torch.minimum(p[1 + k : 1 + k + R], q).sum(-1)
+    return accept.cpu(), counts.cpu()
+
+
+def simulate(
+    drafter, head: TargetHead, reader, steps: int, max_samples: int | None = None, temperature: float = 0.0
+) -> SimulatedAcceptance:
+    """Simulated acceptance over the samples of a `storage.HiddenStateReader`: hits of the
+    target's argmax (temperature 0) or expected acceptance of speculative sampling (> 0)."""
     result = SimulatedAcceptance(steps)
     n = len(reader) if max_samples is None else min(len(reader), max_samples)
     for i in range(n):
         sample = reader[i]
-        chain, counts = chain_lengths(
-            drafter, head, torch.from_numpy(sample.input_ids), torch.from_numpy(sample.loss_mask), sample.hidden, steps
-        )
-        result.add(chain, counts)
+        args = (torch.from_numpy(sample.input_ids), torch.from_numpy(sample.loss_mask), sample.hidden, steps)
+        if temperature > 0:
+            result.add_expected(*chain_overlaps(drafter, head, *args, temperature))
+        else:
+            result.add(*chain_lengths(drafter, head, *args))
     return result
 
 
