@@ -98,6 +98,8 @@ def check_file(expect: _Expect, decode: bool) -> str | None:
         return f"header H={header.hidden_size}, range meta says {expect.hidden_size}"
     if header.loss_tokens != e.loss_tokens:
         return f"header loss_tokens {header.loss_tokens}, index says {e.loss_tokens}"
+    if header.payload_checksum is not None and not verify_checksum(header.payload_checksum, data[header.data_offset :]):
+        return "payload checksum mismatch (damaged before it was indexed)"
     if decode:
         try:
             sample = decode_sample(data, check=True)
