@@ -127,7 +127,8 @@ def read_records(path: str | Path, start: int, end: int) -> list[Record]:
 
 
 def resolve_settings(settings: dict, target_dir: str | Path) -> dict:
-    """Fill what the rule normally resolves (target identity, default aux ids) for hand runs."""
+    """Fill the target identity (by content: the store keys of a moved or copied model stay the
+    same, a rule run and a hand run agree) and, for hand runs, the default aux ids."""
     settings = dict(settings)
     if not settings.get("target_identity"):
         from draftflow.target import target_identity
@@ -635,6 +636,10 @@ def run_extract(
             meta = range_meta(outcome, engine, settings, split, start, end, store_root)
         finally:
             engine.close()
+    # What `draftflow verify --repair` needs to recompute a damaged sample bit for bit: the same
+    # records, target and settings (batch_tokens decides each batch's members).
+    meta.update(records=str(Path(input_path).resolve()), target_dir=str(Path(target_dir).resolve()),
+                extract_settings=settings)  # fmt: skip
     write_range(output, outcome, meta)
     s = outcome.stats
     log.info(

@@ -844,8 +844,10 @@ class HiddenStateReader:
         self.checksums: list[str] = []
         lengths: list[int] = []
         loss: list[int] = []
+        first: dict = {}
         for range_dir in self.range_dirs:
             meta, columns = read_index_columns(range_dir)
+            first = first or meta
             self._stores.append(SampleStore(Path(store_root) if store_root else store_root_of(range_dir, meta)))
             range_of += [len(self._stores) - 1] * len(columns["key"])
             self.keys += columns["key"]
@@ -856,6 +858,19 @@ class HiddenStateReader:
         self._range_of = np.asarray(range_of, dtype=np.int32)  # [N]
         self.lengths = np.asarray(lengths, dtype=np.int64)  # [N]
         self.loss_tokens = np.asarray(loss, dtype=np.int64)  # [N]
+        # (L, H, dtype name) of the samples, for a batch whose every sample was unreadable
+        self.sample_shape = (first.get("num_layers_captured"), first.get("hidden_size"), first.get("dtype", "bfloat16"))
+
+    def subset(self, indices: Sequence[int]) -> "HiddenStateReader":
+        """A reader over samples `indices` of this one (in that order), e.g. without missing ones."""
+        idx = np.asarray(indices, dtype=np.int64)
+        out = object.__new__(HiddenStateReader)
+        out.__dict__.update(self.__dict__)
+        for name in ("keys", "sample_ids", "checksums"):
+            values = getattr(self, name)
+            setattr(out, name, [values[i] for i in idx.tolist()])
+        out._range_of, out.lengths, out.loss_tokens = self._range_of[idx], self.lengths[idx], self.loss_tokens[idx]
+        return out
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -894,6 +909,14 @@ class HiddenStateReader:
         if isinstance(sample, BadRead):
             raise DraftflowError(sample.message())
         return sample
+
+    def without(self, bad: Sequence[BadRead]) -> "HiddenStateReader":
+        """This reader less the samples named in `bad` (by range and sample id)."""
+        gone = {(b.range_dir, b.sample_id) for b in bad}
+        keep = [
+            i for i, sid in enumerate(self.sample_ids) if (str(self.range_dirs[self._range_of[i]]), sid) not in gone
+        ]  # fmt: skip
+        return self.subset(keep)
 
     def missing(self) -> list[BadRead]:
         """Samples whose store file does not exist: one stat per distinct file, no reads."""
