@@ -3,10 +3,15 @@ Snakemake itself decides it on a finished run.
 
 One tiny workflow runs to the end once; then, for each key of the schema, the key alone is
 changed and Snakemake plans the work (a dry-run, in this process: a Snakemake start-up per key
-would cost ~10 s here). Where it plans a checkpoint that re-plans jobs after it ran (preflight,
-preflight_servers), a dry-run cannot show those, so the plan is instead run with `--touch` on a
-copy (the real scheduler, outputs touched instead of computed). The table must list exactly
-what Snakemake reruns; a schema key without a row fails with the list of what to add.
+would cost ~10 s here). Where it plans one of the checkpoints preflight / preflight_servers,
+whose dependents it re-plans only after they ran (in the planning pass where an upstream job
+reruns, Snakemake 9.27 does not check a downstream job's own params), a copy of the workflow
+runs those checkpoints with `--touch` and is dry-run again: the union is what a real run does.
+After a re-merge Snakemake re-plans too (extraction of the ranges whose samples changed), which
+no dry-run can show; the table says so for the rows that rerun merge.
+
+The table must list exactly what Snakemake reruns; a schema key without a row fails with the
+list of what to add.
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ import pytest
 import yaml
 
 from conftest import REPO, copy_workflow, load_default_config, snakemake, write_config
-from draftflow.config import load_schema
+from draftflow.config import load_schema, validate_config
 
 TABLE_DOC = REPO / "docs" / "ARCHITECTURE.md"
 TABLE_HEADING = "## What reruns when a config key changes"
-RE_PLANNING = {"preflight", "preflight_servers"}  # checkpoints whose dependents are re-planned after them
+# checkpoints whose dependents Snakemake re-plans after they ran -> their output under `results`
+RE_PLANNING = {"preflight": "hidden_states/preflight.json", "preflight_servers": "regenerated/preflight.json"}
 
 
 # ---- the table and the schema ---------------------------------------------------------------
@@ -152,6 +158,7 @@ def changed_value(schema: dict, config: dict, key: str):
 
 
 def tiny_config() -> dict:
+    """The default, shrunk to seconds per job; every key filled in (a key changes from its value)."""
     config = load_default_config()
     config["target"]["builtin"] = {
         "train_steps": 0, "num_hidden_layers": 4, "hidden_size": 32, "intermediate_size": 64,
@@ -166,7 +173,7 @@ def tiny_config() -> dict:
     config["extract"]["aux_layer_ids"] = [0, 1, 2]
     config["train"] = {"epochs": 1, "batch_tokens": 256, "draft_vocab_size": 64, "ttt_steps": 2, "num_workers": 0}
     config["evaluate"] = {"draft_tokens": [2], "max_prompts": 1, "max_new_tokens": 4}
-    return config
+    return validate_config(config)
 
 
 class _Jobs(logging.Handler):
@@ -181,8 +188,9 @@ class _Jobs(logging.Handler):
             self.rules.add(record.rule_name)
 
 
-def planned_rules(workdir: Path, config: dict, touch: bool = False) -> set[str]:
-    """Rules Snakemake plans for `config` in `workdir` (dry-run; touch=True: run with --touch)."""
+def planned_rules(workdir: Path, config: dict, touch: list[str] | None = None) -> set[str]:
+    """Rules Snakemake plans for `config` in `workdir`: a dry-run of everything, or with `touch`
+    (target files) a run of those targets with --touch (outputs touched, not computed)."""
     from snakemake.api import SnakemakeApi
     from snakemake.logging import logger
     from snakemake.settings.types import ConfigSettings, DAGSettings, OutputSettings, Quietness, ResourceSettings
@@ -199,7 +207,7 @@ def planned_rules(workdir: Path, config: dict, touch: bool = False) -> set[str]:
             )
             logger.addHandler(jobs)
             try:
-                dag = workflow.dag(DAGSettings())
+                dag = workflow.dag(DAGSettings(targets=set(touch or ())))
                 if touch:
                     dag.execute_workflow(executor="local", pseudo_executor="touch")
                 else:
@@ -213,10 +221,12 @@ def planned_rules(workdir: Path, config: dict, touch: bool = False) -> set[str]:
 
 def observed_reruns(workdir: Path, config: dict, scratch: Path) -> set[str]:
     rules = planned_rules(workdir, config)
-    if rules & RE_PLANNING and "merge" not in rules:
+    pending = sorted(rules & RE_PLANNING.keys())
+    if pending:  # what Snakemake re-plans once those checkpoints ran
         shutil.rmtree(scratch, ignore_errors=True)
         shutil.copytree(workdir, scratch, symlinks=True)
-        rules = planned_rules(scratch, config, touch=True)
+        rules |= planned_rules(scratch, config, touch=[f"{config['results']}/{RE_PLANNING[r]}" for r in pending])
+        rules |= planned_rules(scratch, config)
     return rules
 
 
