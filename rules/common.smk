@@ -33,8 +33,9 @@ except ConfigError as e:
 # this checkout and the first python3 on PATH: the interpreter running Snakemake (so an
 # un-activated virtualenv works), or the rule's env under --sdm conda.
 def _prepend(var: str, *paths: str) -> None:
+    # Once only: the Snakefile may be parsed again in the same process (tests, the API).
     current = [p for p in os.environ.get(var, "").split(os.pathsep) if p]
-    if current[: len(paths)] != list(paths):  # once: the Snakefile may be parsed again in-process
+    if current[: len(paths)] != list(paths):
         os.environ[var] = os.pathsep.join([*paths, *current])
 
 
@@ -68,7 +69,8 @@ class Operational:
     compares the repr of builtin-typed values (str, dict, …) and skips any other object, so
     operational settings (draftflow.config.OPERATIONAL_KEYS: how a stage runs, not what it
     writes) and paths whose content is tracked otherwise (the target folder, by its identity)
-    travel in this wrapper. In a shell command it formats as its JSON (or the plain string)."""
+    travel in this wrapper. In a shell command it formats as its JSON (or the plain string).
+    """
 
     __slots__ = ("value",)
 
@@ -259,7 +261,10 @@ def target_identity() -> str:
 
 def tokenizer_identity() -> str:
     """What tokenization depends on: the tokenizer files only (new weights do not re-tokenize)."""
-    if not config["target"]["tokenizer"] and config["target"]["model"] == BUILTIN_TARGET:
+    if (
+        not config["target"]["tokenizer"]
+        and config["target"]["model"] == BUILTIN_TARGET
+    ):
         return target_identity()
     path = Path(tokenizer_dir())
     if not path.is_dir():
@@ -283,7 +288,8 @@ def num_target_layers():
 def extract_settings(wildcards) -> str:
     """What a range's stored samples depend on (draftflow.config.split_settings: engine,
     layers, dtype, the engine's numerics keys), plus the range's own content digest: a range
-    is stale exactly when one of these, or the target identity (its own param), changes."""
+    is stale exactly when one of these, or the target identity (its own param), changes.
+    """
     settings, _ = split_settings("extract", config["extract"])
     settings["aux_layer_ids"] = resolved_aux_layer_ids()
     settings["range_digest"] = range_of(wildcards)["digest"]

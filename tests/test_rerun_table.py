@@ -260,5 +260,7 @@ def test_the_table_is_what_snakemake_reruns(finished, tmp_path):
         rules = observed_reruns(finished, config, tmp_path / "scratch")
         expected = table.get(key)
         if expected != rules:
-            wrong.append(f"  {key}: Snakemake reruns {sorted(rules) or '—'}, the table says {sorted(expected or []) if expected is not None else '(no row)'}")
+            wrong.append(
+                f"  {key}: Snakemake reruns {sorted(rules) or '—'}, the table says {sorted(expected or []) if expected is not None else '(no row)'}"
+            )
     assert not wrong, f"{TABLE_DOC} ({TABLE_HEADING!r}) disagrees with Snakemake:\n" + "\n".join(wrong)

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from draftflow.config import OPERATIONAL_KEYS
 from draftflow.drafters.eagle3 import VARIANT_FLAGS, Eagle3Config, Eagle3Drafter
 from draftflow.drafters.losses import LOSSES
 from draftflow.errors import DraftflowError, reject_unknown_keys, where
@@ -53,8 +54,6 @@ log = logging.getLogger(__name__)
 
 # Settings that change how a run reports, not what it computes: left out of the fingerprint
 # (and of the rule's rerun-triggering params: draftflow.config.OPERATIONAL_KEYS["train"]).
-from draftflow.config import OPERATIONAL_KEYS
-
 OPERATIONAL = OPERATIONAL_KEYS["train"]
 # How the global batch is spread over processes: the fingerprint keeps only their product
 # (micro-batches per optimizer step), so a checkpoint resumes on another number of GPUs.
@@ -587,7 +586,12 @@ class BadSamples:
 
 @torch.no_grad()
 def evaluate(
-    objective: TTTObjective, target_head: TargetHead, loader, env: DistEnv, steps: int, keep: Sequence[bool],
+    objective: TTTObjective,
+    target_head: TargetHead,
+    loader,
+    env: DistEnv,
+    steps: int,
+    keep: Sequence[bool],
     bad: BadSamples | None = None,
 ) -> torch.Tensor:
     """Summed TTT statistics over this rank's eval batches (those marked `keep`), all-reduced."""

@@ -145,7 +145,16 @@ def _draftflow_items(range_dirs: list[Path], store_root: Path | None) -> Iterato
 
 
 _RANGE_ONLY_META = (
-    "store_root", "format_version", "start", "end", "split", "counts", "timings", "records", "target_dir", "extract_settings",
+    "store_root",
+    "format_version",
+    "start",
+    "end",
+    "split",
+    "counts",
+    "timings",
+    "records",
+    "target_dir",
+    "extract_settings",
 )
 
 

@@ -186,7 +186,10 @@ def _owner_batches(keys: list[str], lengths: list[int], batch_tokens: int, bad_k
 
 
 def repair_range(
-    range_dir: Path, bad: list[BadSample], target: Path | None = None, device: str | None = None,
+    range_dir: Path,
+    bad: list[BadSample],
+    target: Path | None = None,
+    device: str | None = None,
     engine_factory=None,
 ) -> RepairResult:
     """Recompute the bad samples of one range (see the module docstring)."""
@@ -242,7 +245,9 @@ def repair_range(
         engine = factory(settings, target, resolve_devices(settings.get("device", "auto"), claim.ids))
         try:
             for batch in batches:
-                outcome = extract_range([records[p] for p in batch], engine, store, settings, label=f"repair {range_dir}")
+                outcome = extract_range(
+                    [records[p] for p in batch], engine, store, settings, label=f"repair {range_dir}"
+                )
                 new.update({e.key: e for e in outcome.entries})
         finally:
             engine.close()
@@ -300,7 +305,9 @@ def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
         "--repair", action="store_true",
         help="recompute the bad samples in place (their extraction batches only); downstream outputs stay valid",
     )  # fmt: skip
-    parser.add_argument("--target", type=Path, help="--repair: the target model folder (default: recorded in the index)")
+    parser.add_argument(
+        "--target", type=Path, help="--repair: the target model folder (default: recorded in the index)"
+    )
     parser.add_argument("--device", help="--repair: torch device for the recompute (default: the extraction's)")
     parser.add_argument("--output", type=Path, metavar="REPORT.json", help="write the report as JSON")
     parser.add_argument("--store", type=Path, metavar="DIR", help="store folder (default: from each index)")
