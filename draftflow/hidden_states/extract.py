@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -598,6 +599,19 @@ def range_meta(
     }
 
 
+def path_from(range_dir: Path, path: Path) -> str:
+    """`path` as the range index records it: relative to the range folder when given relative
+    (inside the workflow: the results folder can move), else absolute. `resolve_from` inverts it."""
+    path = Path(path)
+    if path.is_absolute():
+        return path.as_posix()
+    return Path(os.path.relpath(path.resolve(), Path(range_dir).resolve())).as_posix()
+
+
+def resolve_from(range_dir: Path, recorded: str) -> Path:
+    return (Path(range_dir) / recorded).resolve()
+
+
 def write_range(range_dir: Path, outcome: RangeOutcome, meta: dict) -> None:
     """failures.json, then index.json last: an index means the range is complete."""
     write_json(Path(range_dir) / FAILURES_NAME, outcome.failures)
@@ -638,7 +652,7 @@ def run_extract(
             engine.close()
     # What `draftflow verify --repair` needs to recompute a damaged sample bit for bit: the same
     # records, target and settings (batch_tokens decides each batch's members).
-    meta.update(records=str(Path(input_path).resolve()), target_dir=str(Path(target_dir).resolve()),
+    meta.update(records=path_from(output, input_path), target_dir=path_from(output, target_dir),
                 extract_settings=settings)  # fmt: skip
     write_range(output, outcome, meta)
     s = outcome.stats

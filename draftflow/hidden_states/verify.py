@@ -195,7 +195,7 @@ def repair_range(
     """Recompute the bad samples of one range (see the module docstring)."""
     from draftflow.engines.capture import capture_settings, make_capture_engine
     from draftflow.gpu import claim_gpus
-    from draftflow.hidden_states.extract import extract_range, read_records, resolve_devices
+    from draftflow.hidden_states.extract import extract_range, read_records, resolve_devices, resolve_from
     from draftflow.hidden_states.storage import sample_key, settings_digest, write_range_index
     from draftflow.target import target_identity
 
@@ -208,7 +208,7 @@ def repair_range(
         result.deleted += bad
         return result
     settings = dict(settings, **({"device": device} if device else {}))
-    target = Path(target or meta["target_dir"])
+    target = Path(target) if target else resolve_from(range_dir, meta["target_dir"])
     if not (target / "config.json").is_file():
         result.failed += [(b, f"target folder {target} not found: pass --target") for b in bad]
         return result
@@ -217,7 +217,7 @@ def repair_range(
         why = f"{target} is not the target these samples were extracted with ({expected})"
         result.failed += [(b, why) for b in bad]
         return result
-    records = read_records(Path(meta["records"]), int(meta["start"]), int(meta["end"]))
+    records = read_records(resolve_from(range_dir, meta["records"]), int(meta["start"]), int(meta["end"]))
     digest = settings_digest(capture_settings(settings))
     keys = [sample_key(digest, r.input_ids) for r in records]
     if digest != meta["settings_digest"]:
