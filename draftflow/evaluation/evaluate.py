@@ -469,10 +469,13 @@ def _target_identity(path: Path) -> str:
 
 
 def run_hf(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, list[dict]]:
-    from draftflow.hidden_states.storage import HiddenStateReader
+    from draftflow.hidden_states.storage import HiddenStateReader, check_present
     from draftflow.target import load_target, resolve_device
     from draftflow.drafters.train import load_drafter
 
+    reader = HiddenStateReader(list(inputs.eval_ranges)) if inputs.eval_ranges else None
+    if reader is not None:  # every stored sample it will read is there (stat only), before loading models
+        check_present(reader, "evaluation (--eval-ranges)", settings.on_bad_sample)
     device = resolve_device(settings.device)
     dtype = torch.float32 if device.type == "cpu" else "auto"  # CPU half-precision matmuls are slow
     model, tokenizer = load_target(inputs.target, dtype=dtype, device=str(device),
@@ -482,8 +485,7 @@ def run_hf(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, li
     head = TargetHead(model.get_output_embeddings().weight, drafter.t2d).to(device)
 
     simulated = SimulatedAcceptance(settings.k_max)
-    if inputs.eval_ranges:
-        reader = HiddenStateReader(list(inputs.eval_ranges))
+    if reader is not None:
         simulated = simulate(drafter, head, reader, settings.k_max, on_bad_sample=settings.on_bad_sample)
     log.info("simulated τ (K=%d) %.3f over %d samples", settings.k_max, simulated.tau, simulated.samples)
 
