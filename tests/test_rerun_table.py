@@ -86,7 +86,15 @@ def test_every_schema_key_has_a_row():
 
 # ---- a changed value for every key ----------------------------------------------------------
 
-DATASET = "chat"  # the dataset whose `datasets.*` keys are changed
+# The named entry whose keys a `*` key changes, per named collection.
+NAMED = {"datasets.*": "chat", "evaluate.prompt_sets.*": "eval"}
+
+
+def _concrete(key: str) -> str:
+    for pattern, name in NAMED.items():
+        if key.startswith(pattern + "."):
+            return name.join(pattern.rsplit("*", 1)) + key[len(pattern) :]
+    return key
 
 
 def _schema_node(schema: dict, key: str) -> dict:
@@ -98,13 +106,13 @@ def _schema_node(schema: dict, key: str) -> dict:
 
 def _get(config: dict, key: str):
     value = config
-    for part in key.replace("*", DATASET).split("."):
+    for part in _concrete(key).split("."):
         value = value[part]
     return value
 
 
 def _set(config: dict, key: str, value) -> None:
-    parts = key.replace("*", DATASET).split(".")
+    parts = _concrete(key).split(".")
     node = config
     for part in parts[:-1]:
         node = node.setdefault(part, {})
@@ -130,6 +138,12 @@ SPECIAL = {
     "target.num_hidden_layers": 4,
     "target.hidden_size": 32,
     "datasets.*.max_merged": 5,
+    "evaluate.temperatures": [0.0, 1.0],
+    "evaluate.prompt_sets.*.path": "config/prompts.txt",
+    "evaluate.server.launcher": ["python3", "-m", "sglang.launch_server"],
+    "evaluate.server.extra_args": ["--mem-fraction-static", "0.8"],
+    "evaluate.server.endpoint": "http://127.0.0.1:9",
+    "evaluate.server.baseline_endpoint": "http://127.0.0.1:10",
 }
 
 
