@@ -3,7 +3,7 @@
     lengths     sample lengths of the merged set, per dataset    train.jsonl [eval.jsonl] [manifest.json]
     storage     hidden-state bytes planned vs written             storage_plan.json, data_config.json
     training    TTT loss and per-step accuracy over training      the drafter's metrics.jsonl
-    acceptance  per-position acceptance and τ, EAGLE-3 vs n-gram   acceptance.json
+    acceptance  per-position acceptance and τ, all prompts and per set   acceptance.json
 
 Each figure is a plain function of already-written files, so a figure can be redrawn without
 rerunning its stage; nothing here reads hidden-state tensors.
@@ -62,18 +62,23 @@ def plot_lengths(train: Path, output: Path, eval_data: Path | None = None, manif
             lengths.setdefault(name, []).extend(values)
     if not lengths:
         raise DraftflowError(f"{train}: no records to plot")
-    max_seq_len = read_json(manifest)["settings"]["max_seq_len"] if manifest else None
+    info = read_json(manifest) if manifest else {"settings": {}, "datasets": {}}
+    max_seq_len = info.get("settings", {}).get("max_seq_len")
+    # source records prepare rejected, per dataset (shown so that they are not missed)
+    rejected = {n: d.get("rejected", 0) for n, d in info.get("datasets", {}).items()}
     names = sorted(lengths)
     top = max_seq_len or max(max(v) for v in lengths.values())
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.hist([lengths[n] for n in names], bins=50, range=(0, top), stacked=True,
-            label=[f"{n} ({len(lengths[n])})" for n in names])  # fmt: skip
+    labels = [f"{n} ({len(lengths[n])}" + (f", {rejected[n]} rejected)" if rejected.get(n) else ")") for n in names]
+    ax.hist([lengths[n] for n in names], bins=50, range=(0, top), stacked=True, label=labels)
     if max_seq_len:
         ax.axvline(max_seq_len, color="black", linestyle="--", linewidth=1, label=f"max_seq_len {max_seq_len}")
     total = sum(len(v) for v in lengths.values())
     tokens = sum(sum(v) for v in lengths.values())
-    ax.set(xlabel="sample length (tokens)", ylabel="samples",
-           title=f"Merged set: {total:,} samples, {tokens:,} tokens")  # fmt: skip
+    title = f"Merged set: {total:,} samples, {tokens:,} tokens"
+    if sum(rejected.values()):
+        title += f"; {sum(rejected.values()):,} source records rejected"
+    ax.set(xlabel="sample length (tokens)", ylabel="samples", title=title)
     ax.legend(fontsize=8)
     _save(fig, output)
 
@@ -161,26 +166,31 @@ def _read_acceptance(acceptance: Path) -> tuple[dict, str, list[int]]:
     method = report.get("method", "eagle3")
     try:
         ks = sorted(int(k) for k in report[method])
-        report["simulated"], report["ngram"]
+        report["simulated"]
     except KeyError as e:
         raise DraftflowError(f"{acceptance}: field {e.args[0]!r} missing; not a `draftflow evaluate` output") from None
+    if not ks:
+        raise DraftflowError(f"{acceptance}: no {NAMES.get(method, method)} measurement to plot")
     return report, method, ks
 
 
 def plot_acceptance(acceptance: Path, output: Path) -> None:
-    """Left: conditional acceptance α_k per draft position at the largest K, real drafter, real
-    n-gram and simulated. Right: acceptance length τ per K, with the K+1 ceiling."""
+    """Left: conditional acceptance α_k per draft position at the largest K (the drafter, and where
+    measured n-gram and simulated). Middle: acceptance length τ per K, with the K+1 ceiling.
+    Right: τ per prompt set at the largest K (one bar per set and temperature)."""
     plt = _pyplot()
     report, method, ks = _read_acceptance(acceptance)
     sim, name_of = report["simulated"], NAMES[method]
     k_max = str(ks[-1])
-    fig, (alpha_ax, tau_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, alpha, style in (
-        (method, report[method][k_max]["alpha"], "o-"),
-        ("ngram", report["ngram"][k_max]["alpha"], "s-"),
-        ("simulated", sim["alpha"], "^--"),
-    ):
-        label = {method: f"{name_of} (real)", "ngram": "n-gram (real)", "simulated": f"{name_of} (simulated)"}[name]
+    ngram = report.get("ngram") or {}
+    engine = report.get("engine", "hf")
+    fig, (alpha_ax, tau_ax, set_ax) = plt.subplots(1, 3, figsize=(16, 4.2))
+    curves = [(method, report[method][k_max]["alpha"], "o-")]
+    curves += [("ngram", ngram[k_max]["alpha"], "s-")] if k_max in ngram else []
+    curves += [("simulated", sim["alpha"], "^--")] if sim else []
+    for name, alpha, style in curves:
+        label = {method: f"{name_of} ({'real' if engine == 'hf' else engine})", "ngram": "n-gram (real)",
+                 "simulated": f"{name_of} (simulated)"}[name]  # fmt: skip
         alpha_ax.plot(range(1, len(alpha) + 1), alpha, style, color=COLORS[name], label=label)
     alpha_ax.set(xlabel="draft position k", ylabel="α_k = P(accept k | accepted < k)", ylim=(0, 1.02),
                  title=f"Per-position acceptance, K = {k_max}")  # fmt: skip
@@ -189,27 +199,51 @@ def plot_acceptance(acceptance: Path, output: Path) -> None:
     width = 0.38
     x = range(len(ks))
     for offset, name in ((-width / 2, method), (width / 2, "ngram")):
+        if name == "ngram" and not ngram:
+            continue
         taus = [report[name][str(k)]["acceptance_length"] for k in ks]
         rects = tau_ax.bar([i + offset for i in x], taus, width, color=COLORS[name], label=NAMES[name])
         tau_ax.bar_label(rects, labels=[f"{t:.2f}" for t in taus], fontsize=8)
-    if sim["draft_tokens"] in ks:  # simulated τ next to the real one at the same K
+    if sim and sim["draft_tokens"] in ks:  # simulated τ next to the real one at the same K
         x_sim, tau_sim = ks.index(sim["draft_tokens"]) - width / 2, sim["acceptance_length"]
         label = f"{name_of} simulated ({tau_sim:.2f})"
         tau_ax.scatter([x_sim], [tau_sim], marker="^", zorder=3, color=COLORS["simulated"], label=label)
     tau_ax.scatter(list(x), [k + 1 for k in ks], marker="_", s=400, color="black", label="ceiling K+1")
     tau_ax.set_xticks(list(x), [f"K = {k}" for k in ks])
-    tau_ax.set(ylabel="τ (tokens per verify step)", title="Acceptance length")
+    tau_ax.set(ylabel="τ (tokens per verify step)", title=f"Acceptance length, all prompts ({engine})")
     tau_ax.legend(fontsize=8)
+    _plot_sets(set_ax, report, int(k_max), method)
     _save(fig, output)
+
+
+def _plot_sets(ax, report: dict, k: int, drafter: str = "eagle3") -> None:
+    """τ per prompt set at K (the drafter, n-gram where measured), labelled with the set's size."""
+    rows = [r for r in report.get("per_set") or [] if r["draft_tokens"] == k and r["method"] in (drafter, "ngram")]
+    sets = list(dict.fromkeys(r["prompt_set"] for r in rows))
+    temperatures = sorted({r["temperature"] for r in rows})
+    series = [(m, t) for m in (drafter, "ngram") for t in temperatures if any(r["method"] == m for r in rows)]
+    width = 0.8 / max(len(series), 1)
+    for j, (method, t) in enumerate(series):
+        taus = [next((r["acceptance_length"] for r in rows if r["prompt_set"] == s and r["method"] == method
+                      and r["temperature"] == t), 0.0) for s in sets]  # fmt: skip
+        label = NAMES[method] + (f", T = {t:g}" if len(temperatures) > 1 else "")
+        rects = ax.bar([i - 0.4 + width * (j + 0.5) for i in range(len(sets))], taus, width,
+                       color=COLORS[method], alpha=1.0 - 0.35 * temperatures.index(t), label=label)  # fmt: skip
+        ax.bar_label(rects, labels=[f"{v:.2f}" for v in taus], fontsize=7)
+    counts = {name: info.get("requests") for name, info in (report.get("prompt_sets") or {}).items()}
+    ax.set_xticks(range(len(sets)), [f"{s}\n({counts.get(s)} req.)" for s in sets], fontsize=8)
+    ax.axhline(k + 1, color="black", lw=0.8, ls=":", label="ceiling K+1")
+    ax.set(ylabel="τ (tokens per verify step)", title=f"Acceptance length per prompt set, K = {k}")
+    ax.legend(fontsize=8)
 
 
 def plot_methods(acceptances: list[Path], output: Path) -> None:
     """The drafter methods side by side on the same prompts: real τ per K (bars; n-gram once, as
-    the model-free baseline) and each method's simulated τ at its own K (markers)."""
+    the model-free baseline, where measured) and each method's simulated τ at its own K (markers)."""
     plt = _pyplot()
     reports = [_read_acceptance(path) for path in acceptances]
     ks = sorted({k for _, _, method_ks in reports for k in method_ks})
-    names = [method for _, method, _ in reports] + ["ngram"]
+    names = [method for _, method, _ in reports] + (["ngram"] if reports[0][0].get("ngram") else [])
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(ks) * len(names) / 2), 4.2))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
@@ -219,14 +253,16 @@ def plot_methods(acceptances: list[Path], output: Path) -> None:
         taus = [report[name][str(ks[j])]["acceptance_length"] for j in present]
         rects = ax.bar([j + offset for j in present], taus, width, color=COLORS[name], label=f"{NAMES[name]} (real)")
         ax.bar_label(rects, labels=[f"{t:.2f}" for t in taus], fontsize=7)
-        if i < len(reports) and report["simulated"]["draft_tokens"] in ks:
-            j, tau_sim = ks.index(report["simulated"]["draft_tokens"]), report["simulated"]["acceptance_length"]
+        sim = report.get("simulated") if i < len(reports) else None
+        if sim and sim["draft_tokens"] in ks:
+            j, tau_sim = ks.index(sim["draft_tokens"]), sim["acceptance_length"]
             ax.scatter([j + offset], [tau_sim], marker="^", zorder=3, color="black",
                        label="simulated (teacher-forced)" if i == 0 else None)  # fmt: skip
     ax.set_xticks(range(len(ks)), [f"K = {k}" for k in ks])
     ax.set(ylabel="τ (tokens per verify step)", title="Drafter methods on the same prompts")
     ax.legend(fontsize=8)
     _save(fig, output)
+
 
 
 # ---------------------------------------------------------------- CLI

@@ -5,31 +5,49 @@
 rule evaluate:
     input:
         drafter=f"{RESULTS}/drafter/{{method}}",
-        eval_ranges=lambda w: range_dirs("eval"),
+        # simulated τ reads the eval split's hidden states with the target in-process: hf only
+        eval_ranges=lambda w: range_dirs("eval") if evaluate_engine() == "hf" else [],
         eval_data=f"{RESULTS}/merged/eval.jsonl",
         target=target_input(),
+        prompt_files=evaluate_prompt_files(),
+        served=lambda w: evaluate_served(w.method),
     output:
         json=f"{RESULTS}/eval/{{method}}/acceptance.json",
         csv=f"{RESULTS}/eval/{{method}}/acceptance.csv",
+        outputs=f"{RESULTS}/eval/{{method}}/outputs.jsonl",
     log:
         f"{LOGS}/evaluate/{{method}}.log",
     benchmark:
         f"{BENCH}/evaluate/{{method}}.tsv"
     conda:
         CONDA_ENV
-    threads: 4
+    threads: evaluate_threads()
     resources:
-        gpu=min(1, config["extract"]["gpus_per_job"]),
+        gpu=evaluate_gpus(),
     params:
         settings=lambda w: as_settings(
-            {**config["evaluate"], "aux_layer_ids": method_layer_ids(w.method)}
+            split_settings("evaluate", evaluate_settings(w.method))[0]
         ),
-        target=lambda w: target_dir(),
+        runtime=lambda w: Operational(
+            split_settings("evaluate", evaluate_settings(w.method))[1]
+        ),
+        target_identity=lambda w: target_identity(),
+        target=lambda w: Operational(target_dir()),
         out_dir=lambda w, output: os.path.dirname(output.json),
+        # EAGLE-3 keeps the state folder it had before methods existed
+        state=lambda w: (
+            f"{STATE}/evaluate"
+            if w.method == "eagle3"
+            else f"{STATE}/evaluate-{w.method}"
+        ),
+        served=lambda w: " ".join(
+            f"--served-drafter {d}" for d in evaluate_served(w.method)
+        ),
     shell:
-        "draftflow evaluate --drafter {input.drafter} --target {params.target}"
-        " --eval-ranges {input.eval_ranges} --eval-data {input.eval_data}"
-        " --settings {params.settings:q} --output-dir {params.out_dir} > {log} 2>&1"
+        "draftflow --threads {threads} evaluate --drafter {input.drafter} --target {params.target}"
+        " --eval-ranges {input.eval_ranges} --eval-data {input.eval_data} {params.served}"
+        " --settings {params.settings:q} --runtime {params.runtime:q} --output-dir {params.out_dir}"
+        " --state-dir {params.state} > {log} 2>&1"
 
 
 rule export:
@@ -48,10 +66,11 @@ rule export:
         settings=lambda w: as_settings(
             {**config["export"], "aux_layer_ids": method_layer_ids(w.method)}
         ),
-        target=lambda w: target_dir(),
+        target_identity=lambda w: target_identity(),
+        target=lambda w: Operational(target_dir()),
         out_dir=lambda w, output: os.path.dirname(output.summary),
     shell:
-        "draftflow export --drafter {input.drafter} --target {params.target}"
+        "draftflow --threads {threads} export --drafter {input.drafter} --target {params.target}"
         " --settings {params.settings:q} --output-dir {params.out_dir} > {log} 2>&1"
 
 
@@ -71,7 +90,7 @@ rule plot_lengths:
     conda:
         CONDA_ENV
     shell:
-        "draftflow plot --kind lengths --train-data {input.train} --eval-data {input.eval}"
+        "draftflow --threads {threads} plot --kind lengths --train-data {input.train} --eval-data {input.eval}"
         " --manifest {input.manifest} --output {output} > {log} 2>&1"
 
 
@@ -90,7 +109,7 @@ rule plot_storage:
     conda:
         CONDA_ENV
     shell:
-        "draftflow plot --kind storage --plan {input.plan}"
+        "draftflow --threads {threads} plot --kind storage --plan {input.plan}"
         " --data-config {input.data_config} --output {output} > {log} 2>&1"
 
 
@@ -109,7 +128,7 @@ rule plot_training:
     conda:
         CONDA_ENV
     shell:
-        "draftflow plot --kind training --metrics {input.drafter}/metrics.jsonl"
+        "draftflow --threads {threads} plot --kind training --metrics {input.drafter}/metrics.jsonl"
         " --output {output} > {log} 2>&1"
 
 
@@ -128,7 +147,7 @@ rule plot_acceptance:
     conda:
         CONDA_ENV
     shell:
-        "draftflow plot --kind acceptance --acceptance {input.acceptance}"
+        "draftflow --threads {threads} plot --kind acceptance --acceptance {input.acceptance}"
         " --output {output} > {log} 2>&1"
 
 

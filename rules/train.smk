@@ -15,9 +15,10 @@ rule vocab:
         CONDA_ENV
     params:
         settings=as_settings({"draft_vocab_size": config["train"]["draft_vocab_size"]}),
-        target=lambda w: target_dir(),
+        target_identity=lambda w: target_identity(),
+        target=lambda w: Operational(target_dir()),
     shell:
-        "draftflow vocab --input {input.train} --target {params.target}"
+        "draftflow --threads {threads} vocab --input {input.train} --target {params.target}"
         " --settings {params.settings:q} --output {output.vocab} > {log} 2>&1"
 
 
@@ -35,13 +36,16 @@ rule train:
         f"{BENCH}/train/{{method}}.tsv"
     conda:
         CONDA_ENV
-    threads: 8
+    threads: train_threads()
     resources:
         **train_resources(),
     params:
         settings=lambda w: as_settings(train_settings(w.method)),
-        target=lambda w: target_dir(),
-        method_args=lambda w, input: (
+        runtime=lambda w: train_runtime(),
+        target_identity=lambda w: target_identity(),
+        target=lambda w: Operational(target_dir()),
+        # paths whose content is tracked otherwise (vocab input, target identity)
+        method_args=lambda w, input: Operational(
             f"--tokenizer {tokenizer_dir()}"
             if w.method == "dflash"
             else f"--vocab {input.vocab}"
@@ -53,7 +57,8 @@ rule train:
         nodes=config["train"]["nodes"],
         gpus=config["train"]["gpus"],
     shell:
-        "draftflow launch-train --nodes {params.nodes} --gpus-per-node {params.gpus} --"
+        "draftflow --threads {threads} launch-train --nodes {params.nodes} --gpus-per-node {params.gpus} --"
         " --train-ranges {input.train} --eval-ranges {input.eval} --target {params.target}"
-        " {params.method_args} --settings {params.settings:q} --state-dir {params.state}"
+        " {params.method_args} --settings {params.settings:q} --runtime {params.runtime:q}"
+        " --state-dir {params.state}"
         " --output {output} > {log} 2>&1"

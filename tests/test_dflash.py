@@ -389,3 +389,12 @@ def test_dflash_ddp_two_processes_match_one(world, tmp_path):
     assert latest1["step"] == latest2["step"] >= 3
     diff = max((single[k].float() - ddp[k].float()).abs().max().item() for k in single)
     assert diff < 1e-5, diff
+
+
+@pytest.mark.parametrize("key, value", [("loss", "tv"), ("norm_before_fc", True)])
+def test_eagle3_only_train_options_are_refused_for_dflash(key, value):
+    """train.loss and speculators' norms shape EAGLE-3's objective and model; DFlash has neither."""
+    from draftflow.drafters.train import TrainSettings
+
+    with pytest.raises(DraftflowError, match=f"{key} apply to EAGLE-3 only"):
+        TrainSettings.from_dict(dflash_settings(**{key: value}))
