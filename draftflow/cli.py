@@ -59,6 +59,12 @@ def settings_arg(text: str) -> dict:
     return value
 
 
+def runtime_arg(text: str) -> dict:
+    """`--runtime`: JSON like `--settings`, for the operational keys a rule passes without them
+    triggering reruns (draftflow.config.OPERATIONAL_KEYS); merged into --settings."""
+    return settings_arg(text)
+
+
 def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftflow", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -74,6 +80,11 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
             module = importlib.import_module(module_name)
             module.configure_parser(stage_parser, name)
             stage_parser.set_defaults(_module=module)
+            if any("--settings" in action.option_strings for action in stage_parser._actions):
+                stage_parser.add_argument(
+                    "--runtime", type=runtime_arg, default=None, metavar="JSON",
+                    help="operational settings (how the stage runs, not what it writes), merged into --settings",
+                )  # fmt: skip
     return parser
 
 
@@ -102,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.threads = args.threads or default_threads()
     apply_threads(args.threads)  # again: sizes torch's pools if the stage module imported torch
+    if getattr(args, "runtime", None):
+        from draftflow.config import deep_merge
+
+        args.settings = deep_merge(args.runtime, args.settings or {})
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

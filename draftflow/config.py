@@ -256,3 +256,91 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
         "below the last need at least 4); set extract.aux_layer_ids to distinct ascending ids "
         f"in 0..{max(n - 1, 0)}"
     )
+
+
+# ---- what a setting changes: stored bytes and models, or only how a stage runs ----------------
+# docs/ARCHITECTURE.md ("What reruns") lists, per config key, the rules a change reruns; a test
+# pins that table to Snakemake's own rerun decisions.
+
+# Per engine, the extract settings besides target, layers, engine and dtype that change captured
+# values (the store digest's input, draftflow.engines.capture.capture_settings).
+ENGINE_NUMERICS_KEYS: dict[str, tuple[str, ...]] = {
+    "hf": (),
+    "sglang": ("tensor_parallel", "sglang.version"),
+    "vllm": ("tensor_parallel", "vllm.version"),
+}
+
+# Keys (dotted below the section) that change how a stage runs, never what it writes: rules pass
+# them to the job without letting a change rerun it, and resume keys leave them out. Any key
+# not listed is content: a new key reruns its stage until someone decides otherwise.
+OPERATIONAL_KEYS: dict[str, frozenset[str]] = {
+    "regenerate": frozenset({
+        "device", "openai.endpoints", "openai.api_key_env", "openai.concurrency", "openai.timeout_s",
+        "openai.max_retries", "openai.backoff_s", "openai.max_consecutive_failures",
+    }),
+    "extract": frozenset({
+        # samples are keyed by capture settings only, so none of these changes a stored byte
+        # that a rerun would rewrite (compression_level applies to files written from now on)
+        "device", "gpus_per_job", "batch_tokens", "on_error", "compression_level", "writer_threads",
+        "free_disk_margin", "expected_compression_ratio", "sglang.endpoint",
+    }),
+    "train": frozenset({
+        "num_workers", "log_every_steps", "save_every_steps", "eval_every_steps", "compile", "on_bad_sample",
+    }),
+    "evaluate": frozenset({
+        "device", "on_bad_sample", "server.endpoint", "server.baseline_endpoint", "server.host", "server.port",
+        "server.startup_timeout_s", "server.request_timeout_s", "server.check_gpus",
+    }),
+}  # fmt: skip
+
+# Sub-sections a section's split descends into (every other value is a leaf).
+_NESTED = {"extract": ("sglang", "vllm"), "regenerate": ("openai",), "evaluate": ("server",)}
+
+
+def _operational(section: str, path: str, values: dict) -> bool:
+    if path in OPERATIONAL_KEYS.get(section, ()):
+        return True
+    top = path.split(".")[0]
+    if section == "extract" and top in ("tensor_parallel", "sglang", "vllm"):
+        # engine-specific: content only where the engine in use computes with it
+        return path not in ENGINE_NUMERICS_KEYS.get(values.get("engine", "hf"), ())
+    if section == "regenerate" and top == "openai":
+        return values.get("engine", "hf") != "openai"
+    return False
+
+
+def split_settings(section: str, values: dict) -> tuple[dict, dict]:
+    """(content, operational) parts of a config section: `deep_merge(content, operational)` is
+    `values` again. Content changes what a stage writes; operational parts only how it runs."""
+    content: dict = {}
+    operational: dict = {}
+    nested = _NESTED.get(section, ())
+
+    def walk(src: dict, prefix: str, c: dict, o: dict) -> None:
+        for key, value in src.items():
+            path = f"{prefix}{key}"
+            if not prefix and key in nested and isinstance(value, dict):
+                c_sub, o_sub = {}, {}
+                walk(value, f"{path}.", c_sub, o_sub)
+                if c_sub:
+                    c[key] = c_sub
+                if o_sub:
+                    o[key] = o_sub
+            elif _operational(section, path, values):
+                o[key] = value
+            else:
+                c[key] = value
+
+    walk(values, "", content, operational)
+    return content, operational
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """`base` with `override`'s values, merging nested dicts key by key."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
@@ -13,6 +14,7 @@ from draftflow.config import (
     coerce_overrides,
     default_aux_layer_ids,
     enabled_datasets,
+    split_settings,
     validate_config,
 )
 
@@ -31,7 +33,10 @@ except ConfigError as e:
 # this checkout and the first python3 on PATH: the interpreter running Snakemake (so an
 # un-activated virtualenv works), or the rule's env under --sdm conda.
 def _prepend(var: str, *paths: str) -> None:
-    os.environ[var] = os.pathsep.join([*paths, *filter(None, [os.environ.get(var)])])
+    # Once only: the Snakefile may be parsed again in the same process (tests, the API).
+    current = [p for p in os.environ.get(var, "").split(os.pathsep) if p]
+    if current[: len(paths)] != list(paths):
+        os.environ[var] = os.pathsep.join([*paths, *current])
 
 
 _prepend("PATH", f"{workflow.basedir}/scripts/bin", os.path.dirname(sys.executable))
@@ -59,6 +64,32 @@ def as_settings(value) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
+class Operational:
+    """A param the job receives but whose change never reruns it. Snakemake's params trigger
+    compares the repr of builtin-typed values (str, dict, …) and skips any other object, so
+    operational settings (draftflow.config.OPERATIONAL_KEYS: how a stage runs, not what it
+    writes) and paths whose content is tracked otherwise (the target folder, by its identity)
+    travel in this wrapper. In a shell command it formats as its JSON (or the plain string).
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __str__(self) -> str:
+        return self.value if isinstance(self.value, str) else as_settings(self.value)
+
+    def __repr__(self) -> str:
+        return f"Operational({self.value!r})"
+
+
+def content_and_runtime(section: str, values: dict) -> tuple[dict, Operational]:
+    """A config section split into the params that rerun a rule and those that do not."""
+    content, operational = split_settings(section, values)
+    return content, Operational(operational)
+
+
 def existing(path) -> list:
     """An external input, declared only when present: dry-runs of configs whose data is
     not there yet still plan every job, and the stage itself reports a missing file."""
@@ -78,14 +109,17 @@ def tokenizer_dir() -> str:
 
 
 def target_input() -> list:
+    """The builtin target is built by a rule: an input. A model folder given in the config is
+    not declared at all: its content identity (a param) reruns what depends on it, so a moved
+    or copied model reruns nothing."""
     if config["target"]["model"] == BUILTIN_TARGET:
         return [f"{RESULTS}/target"]
-    return existing(config["target"]["model"])
+    return []
 
 
 def tokenizer_input() -> list:
     if config["target"]["tokenizer"]:
-        return existing(config["target"]["tokenizer"])
+        return []
     return target_input()
 
 
@@ -147,6 +181,15 @@ def rejects_files() -> dict[str, list[str]]:
     }
 
 
+def servers_settings() -> dict:
+    """The part of config `regenerate` the server preflight checks (draftflow.engines.servers)."""
+    regenerate = config["regenerate"]
+    if regenerate["engine"] != "openai":
+        return {"engine": regenerate["engine"]}  # nothing to check
+    openai = {k: regenerate["openai"][k] for k in ("endpoints", "model", "api_key_env")}
+    return {"engine": regenerate["engine"], "openai": openai}
+
+
 def merge_input_args(wildcards, input) -> str:
     """`--input NAME=FILE` and `--rejects NAME=FILE` pairs, in config order and shard order."""
     pairs = []
@@ -196,17 +239,37 @@ def range_of(wildcards) -> dict:
     )
 
 
+@lru_cache(maxsize=None)
+def _content_identity(kind: str, path: str) -> str:
+    """Cached per Snakemake process: a few small reads per call, but params ask per job."""
+    from draftflow.target import target_identity as model_identity, tokenizer_identity
+
+    return (model_identity if kind == "model" else tokenizer_identity)(path)
+
+
 def target_identity() -> str:
-    """Identity of the target as the capture settings see it (path + config, not weights).
-    The builtin target is defined by its build settings, known before it is built."""
+    """The target as the params of the rules reading it see it: by content, not path (config,
+    tokenizer, weight headers and sampled bytes; draftflow.target.target_identity). The builtin
+    target is defined by its build settings, known before it is built."""
     if config["target"]["model"] == BUILTIN_TARGET:
         return f"{BUILTIN_TARGET}:{as_settings(config['target']['builtin'])}"
     path = Path(target_dir())
     if not (path / "config.json").exists():
         return f"absent:{path}"  # dry-run of a config whose model is not there yet
-    from draftflow.target import target_identity as identity
+    return _content_identity("model", str(path.resolve()))
 
-    return identity(path)
+
+def tokenizer_identity() -> str:
+    """What tokenization depends on: the tokenizer files only (new weights do not re-tokenize)."""
+    if (
+        not config["target"]["tokenizer"]
+        and config["target"]["model"] == BUILTIN_TARGET
+    ):
+        return target_identity()
+    path = Path(tokenizer_dir())
+    if not path.is_dir():
+        return f"absent:{path}"
+    return _content_identity("tokenizer", str(path.resolve()))
 
 
 def num_target_layers():
@@ -223,14 +286,21 @@ def num_target_layers():
 
 
 def extract_settings(wildcards) -> str:
-    """Everything a range's captures depend on, plus the range's own content digest:
-    a range is stale exactly when one of these changes."""
-    settings = dict(config["extract"])
+    """What a range's stored samples depend on (draftflow.config.split_settings: engine,
+    layers, dtype, the engine's numerics keys), plus the range's own content digest: a range
+    is stale exactly when one of these, or the target identity (its own param), changes.
+    """
+    settings, _ = split_settings("extract", config["extract"])
     settings["aux_layer_ids"] = resolved_aux_layer_ids()
-    settings["trust_remote_code"] = config["target"]["trust_remote_code"]
-    settings["target_identity"] = target_identity()
     settings["range_digest"] = range_of(wildcards)["digest"]
     return as_settings(settings)
+
+
+def extract_runtime() -> Operational:
+    """How extraction runs (batching, threads, device, disk margin …): never reruns a range."""
+    _, runtime = content_and_runtime("extract", config["extract"])
+    runtime.value["trust_remote_code"] = config["target"]["trust_remote_code"]
+    return runtime
 
 
 def final_outputs() -> list:
@@ -264,7 +334,13 @@ def resolved_aux_layer_ids():
 
 
 def train_settings() -> dict:
-    return {**config["train"], "aux_layer_ids": resolved_aux_layer_ids()}
+    """What the drafter depends on; the operational rest goes through `train_runtime`."""
+    content, _ = split_settings("train", config["train"])
+    return {**content, "aux_layer_ids": resolved_aux_layer_ids()}
+
+
+def train_runtime() -> Operational:
+    return content_and_runtime("train", config["train"])[1]
 
 
 # ---- CPU threads per job (Snakemake clamps them to --cores; `draftflow --threads` applies them) ----

@@ -20,7 +20,10 @@ rule prepare:
 
 
 # Before any regeneration job: the configured servers answer and serve the right model.
-rule preflight_servers:
+# A checkpoint, so that regenerate jobs (linked to it by an ancient() input only) are
+# re-checked after it reran: Snakemake 9.27 does not check a job's own params in the pass
+# where an upstream job reruns, and a changed regenerate setting would go unnoticed.
+checkpoint preflight_servers:
     output:
         f"{RESULTS}/regenerated/preflight.json",
     log:
@@ -28,7 +31,8 @@ rule preflight_servers:
     conda:
         CONDA_ENV
     params:
-        settings=as_settings({"regenerate": config["regenerate"]}),
+        # what the server checks read: engine, endpoints, served model, API key variable
+        settings=as_settings({"regenerate": servers_settings()}),
         path=lambda w, output: os.path.dirname(output[0]),
     shell:
         "draftflow --threads {threads} preflight --path {params.path} --settings {params.settings:q}"
@@ -53,15 +57,17 @@ rule regenerate:
     params:
         settings=as_settings(
             {
-                **config["regenerate"],
+                **split_settings("regenerate", config["regenerate"])[0],
                 "trust_remote_code": config["target"]["trust_remote_code"],
             }
         ),
-        target=lambda w: target_dir(),
+        runtime=content_and_runtime("regenerate", config["regenerate"])[1],
+        target_identity=lambda w: target_identity(),
+        target=lambda w: Operational(target_dir()),
         state=f"{STATE}/regenerate",
     shell:
         "draftflow --threads {threads} regenerate --dataset {wildcards.dataset} --input {input.shard}"
-        " --target {params.target} --settings {params.settings:q}"
+        " --target {params.target} --settings {params.settings:q} --runtime {params.runtime:q}"
         " --state-dir {params.state} --output {output} > {log} 2>&1"
 
 
@@ -84,7 +90,8 @@ rule tokenize:
                 "max_seq_len": config["merge"]["max_seq_len"],
             }
         ),
-        tokenizer=lambda w: tokenizer_dir(),
+        tokenizer_identity=lambda w: tokenizer_identity(),
+        tokenizer=lambda w: Operational(tokenizer_dir()),
     shell:
         "draftflow --threads {threads} tokenize --input {input.shard} --tokenizer {params.tokenizer}"
         " --settings {params.settings:q} --output {output} > {log} 2>&1"

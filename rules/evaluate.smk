@@ -24,15 +24,17 @@ rule evaluate:
     resources:
         gpu=evaluate_gpus(),
     params:
-        settings=lambda w: as_settings(evaluate_settings()),
-        target=lambda w: target_dir(),
+        settings=lambda w: as_settings(split_settings("evaluate", evaluate_settings())[0]),
+        runtime=lambda w: Operational(split_settings("evaluate", evaluate_settings())[1]),
+        target_identity=lambda w: target_identity(),
+        target=lambda w: Operational(target_dir()),
         out_dir=lambda w, output: os.path.dirname(output.json),
         state=f"{STATE}/evaluate",
         served=" ".join(f"--served-drafter {d}" for d in evaluate_served()),
     shell:
         "draftflow --threads {threads} evaluate --drafter {input.drafter} --target {params.target}"
         " --eval-ranges {input.eval_ranges} --eval-data {input.eval_data} {params.served}"
-        " --settings {params.settings:q} --output-dir {params.out_dir}"
+        " --settings {params.settings:q} --runtime {params.runtime:q} --output-dir {params.out_dir}"
         " --state-dir {params.state} > {log} 2>&1"
 
 
@@ -52,7 +54,8 @@ rule export:
         settings=lambda w: as_settings(
             {**config["export"], "aux_layer_ids": resolved_aux_layer_ids()}
         ),
-        target=lambda w: target_dir(),
+        target_identity=lambda w: target_identity(),
+        target=lambda w: Operational(target_dir()),
         out_dir=lambda w, output: os.path.dirname(output.summary),
     shell:
         "draftflow --threads {threads} export --drafter {input.drafter} --target {params.target}"

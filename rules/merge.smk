@@ -53,7 +53,8 @@ rule plan_storage:
                 "num_hidden_layers": config["target"]["num_hidden_layers"],
             }
         ),
-        target=lambda w: target_dir(),
+        target_identity=lambda w: target_identity(),
+        target=lambda w: Operational(target_dir()),
     shell:
         "draftflow --threads {threads} plan-storage --manifest {input.manifest} --target {params.target}"
         " --settings {params.settings:q} --output {output} > {log} 2>&1"

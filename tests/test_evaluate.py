@@ -452,3 +452,31 @@ def test_plot_reports_missing_inputs(tmp_path):
 
     with pytest.raises(DraftflowError, match="--plan --data-config"):
         plot_cli(kind="storage", output=tmp_path / "x.png")
+
+
+def test_simulated_acceptance_reads_are_checked(tmp_path):
+    """A damaged or missing eval sample stops evaluation naming range, sample and key, or under
+    on_bad_sample: skip is left out and counted (no sample here is readable: no model runs)."""
+    from draftflow.errors import DraftflowError
+    from draftflow.hidden_states.storage import HiddenStateReader, SampleStore
+    from test_storage import build_ranges
+
+    hs, samples = build_ranges(tmp_path)
+    store = SampleStore(hs / "store")
+    for _, key, *_ in samples[:3]:
+        data = bytearray(store.get(key))
+        data[-2] ^= 0x08
+        store.path(key).write_bytes(bytes(data))
+    for _, key, *_ in samples[3:]:
+        store.delete(key)
+    reader = HiddenStateReader([hs / "train" / "rows_0-3", hs / "train" / "rows_3-5"])
+    with pytest.raises(DraftflowError, match="have no store file") as err:  # stat before any read
+        simulate(None, None, reader, K)
+    assert f"{hs / 'train' / 'rows_3-5'}: sample {samples[3][0]}" in str(err.value)
+    first = HiddenStateReader([hs / "train" / "rows_0-3"])
+    with pytest.raises(DraftflowError) as err:
+        simulate(None, None, first, K)
+    assert samples[0][0] in str(err.value) and samples[0][1] in str(err.value) and "--repair" in str(err.value)
+    result = simulate(None, None, reader, K, on_bad_sample="skip").as_json()
+    assert result["samples"] == 0 and result["skipped_samples"] == 5
+    assert {s["sample_id"] for s in result["skipped"]} == {s[0] for s in samples}

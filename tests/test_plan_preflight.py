@@ -189,7 +189,8 @@ def test_bytes_already_in_the_store_count_as_written(tmp_path):
     store = tmp_path / "hs" / "store" / "ab" / "cd"
     store.mkdir(parents=True)
     (store / "one.dfhs").write_bytes(b"x" * 300)
-    (store.parent / "two.dfhs").write_bytes(b"x" * 100)
+    (store.parent / "ef").mkdir()
+    (store.parent / "ef" / "two.dfhs").write_bytes(b"x" * 100)
     ctx = PreflightContext(plan_of(1000), tmp_path / "hs", PreflightSettings(free_disk_margin=0.5))
     result = check_free_disk(ctx)
     assert isinstance(result, CheckResult) and result.ok

@@ -43,18 +43,17 @@ from draftflow.engines.generation import (
     GenerationResult,
     make_generation_engine,
 )
+from draftflow.config import OPERATIONAL_KEYS as _OPERATIONAL
 from draftflow.errors import DraftflowError, where
 from draftflow.jsonl import fsync_dir, read_jsonl, write_jsonl
 
 log = logging.getLogger(__name__)
 
 PARTIAL_FORMAT = 1
-# Settings that change how outputs are computed, not what they are: a resume may change them.
-OPERATIONAL_KEYS = {"device"}
-OPERATIONAL_OPENAI_KEYS = {
-    "endpoints", "api_key_env", "concurrency", "timeout_s", "max_retries", "backoff_s",
-    "max_consecutive_failures",
-}
+# Settings that change how outputs are computed, not what they are: a resume may change them
+# (one table for the resume key and the rule's params: draftflow.config.OPERATIONAL_KEYS).
+OPERATIONAL_KEYS = {k for k in _OPERATIONAL["regenerate"] if "." not in k}
+OPERATIONAL_OPENAI_KEYS = {k.removeprefix("openai.") for k in _OPERATIONAL["regenerate"] if k.startswith("openai.")}
 ROLES = {"system", "user", "assistant", "tool"}
 
 

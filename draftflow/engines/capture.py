@@ -22,6 +22,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
+from draftflow.config import ENGINE_NUMERICS_KEYS
 from draftflow.errors import DraftflowError
 
 CONVENTION = (
@@ -101,12 +102,8 @@ def layer_names(aux_layer_ids: Sequence[int]) -> list[str]:
 
 # Per engine, the settings besides target, layers, engine and dtype that change captured
 # values. Batching, writer threads, compression, on_error and device ids do not enter
-# the digest: changing them must not invalidate the store.
-ENGINE_NUMERICS_KEYS: dict[str, tuple[str, ...]] = {
-    "hf": (),
-    "sglang": ("tensor_parallel", "sglang.version"),
-    "vllm": ("tensor_parallel", "vllm.version"),
-}
+# the digest: changing them must not invalidate the store. ENGINE_NUMERICS_KEYS lives in
+# draftflow.config (no torch there), so that rules/common.smk splits the extract params by it.
 
 
 def capture_settings(settings: dict) -> dict:

@@ -81,6 +81,7 @@ class EvaluateSettings:
     seed: int = 0  # hf engine, temperatures > 0: base of the per-request sampling generators
     prompt_sets: dict = field(default_factory=lambda: {"eval": {"kind": "eval"}})
     server: dict = field(default_factory=dict)
+    on_bad_sample: str = "fail"  # a missing or damaged stored eval sample: stop, or leave it out and count
     aux_layer_ids: tuple[int, ...] | None = None
     trust_remote_code: bool = False
     engine_version: str | None = None
@@ -96,6 +97,8 @@ class EvaluateSettings:
         if values.get("temperatures") is not None:
             values["temperatures"] = tuple(float(t) for t in values["temperatures"])
         s = cls(**values)
+        if s.on_bad_sample not in ("fail", "skip"):
+            raise DraftflowError(f"evaluate.on_bad_sample must be fail or skip, got {s.on_bad_sample!r}")
         if not s.draft_tokens or min(s.draft_tokens) < 1:
             raise DraftflowError(f"evaluate.draft_tokens must be positive integers, got {list(s.draft_tokens)}")
         if s.engine not in ENGINES:
@@ -125,10 +128,12 @@ class SimulatedAcceptance:
     trials: list[int] = None  # type: ignore[assignment]
     hits: list[int] = None  # type: ignore[assignment]
     samples: int = 0
+    skipped: list[dict] = None  # type: ignore[assignment]  # unreadable samples left out (on_bad_sample: skip)
 
     def __post_init__(self):
         self.trials = self.trials or [0] * self.steps
         self.hits = self.hits or [0] * self.steps
+        self.skipped = self.skipped or []
 
     def add(self, chain: torch.Tensor, counts: torch.Tensor) -> None:
         """chain [T] leading hits per anchor; counts [steps, T] whether step k counts for it."""
@@ -165,6 +170,8 @@ class SimulatedAcceptance:
             "hits": self.hits,
             "trials": self.trials,
             "samples": self.samples,
+            "skipped_samples": len(self.skipped),
+            "skipped": self.skipped,
         }
 
 
@@ -225,14 +232,30 @@ def chain_overlaps(
 
 
 def simulate(
-    drafter, head: TargetHead, reader, steps: int, max_samples: int | None = None, temperature: float = 0.0
+    drafter, head: TargetHead, reader, steps: int, max_samples: int | None = None, temperature: float = 0.0,
+    on_bad_sample: str = "fail",
 ) -> SimulatedAcceptance:
     """Simulated acceptance over the samples of a `storage.HiddenStateReader`: hits of the
-    target's argmax (temperature 0) or expected acceptance of speculative sampling (> 0)."""
+    target's argmax (temperature 0) or expected acceptance of speculative sampling (> 0). Every
+    read is checksummed; an unreadable sample stops it (fail) or is left out and counted (skip)."""
+    from draftflow.hidden_states.storage import BadRead, check_present
+
     result = SimulatedAcceptance(steps)
     n = len(reader) if max_samples is None else min(len(reader), max_samples)
+    read = getattr(reader, "read", reader.__getitem__)
+    if hasattr(reader, "missing"):
+        check_present(reader, "evaluation (--eval-ranges)", on_bad_sample)  # stat only, before any work
     for i in range(n):
-        sample = reader[i]
+        sample = read(i)
+        if isinstance(sample, BadRead):
+            if on_bad_sample == "fail":
+                raise DraftflowError(
+                    f"evaluate: a stored sample cannot be read: {sample.message()}; "
+                    "or set evaluate.on_bad_sample: skip to leave such samples out and count them"
+                )
+            log.warning("evaluate: skipping %s", sample.message())
+            result.skipped.append({"range": sample.range_dir, "sample_id": sample.sample_id, "reason": sample.reason})
+            continue
         args = (torch.from_numpy(sample.input_ids), torch.from_numpy(sample.loss_mask), sample.hidden, steps)
         if temperature > 0:
             result.add_expected(*chain_overlaps(drafter, head, *args, temperature))
@@ -493,10 +516,13 @@ def _target_identity(path: Path) -> str:
 
 
 def run_hf(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, list[dict]]:
-    from draftflow.hidden_states.storage import HiddenStateReader
+    from draftflow.hidden_states.storage import HiddenStateReader, check_present
     from draftflow.target import load_target, resolve_device
     from draftflow.drafters.train import load_drafter
 
+    reader = HiddenStateReader(list(inputs.eval_ranges)) if inputs.eval_ranges else None
+    if reader is not None:  # every stored sample it will read is there (stat only), before loading models
+        check_present(reader, "evaluation (--eval-ranges)", settings.on_bad_sample)
     device = resolve_device(settings.device)
     dtype = torch.float32 if device.type == "cpu" else "auto"  # CPU half-precision matmuls are slow
     model, tokenizer = load_target(inputs.target, dtype=dtype, device=str(device),
@@ -520,9 +546,9 @@ def run_hf(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, li
     outputs: list[dict] = []
     for temperature in settings.temperatures:
         simulated = SimulatedAcceptance(settings.k_max)
-        if inputs.eval_ranges:
-            reader = HiddenStateReader(list(inputs.eval_ranges))
-            simulated = simulate(drafter, head, reader, settings.k_max, temperature=temperature)
+        if reader is not None:
+            simulated = simulate(drafter, head, reader, settings.k_max, temperature=temperature,
+                                 on_bad_sample=settings.on_bad_sample)  # fmt: skip
         log.info("T=%g: simulated τ (K=%d) %.3f over %d samples", temperature, settings.k_max, simulated.tau,
                  simulated.samples)  # fmt: skip
         per_set = _measure_sets(model, tokenizer, drafter, cfg, sets, settings, state, temperature)

@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -127,7 +128,8 @@ def read_records(path: str | Path, start: int, end: int) -> list[Record]:
 
 
 def resolve_settings(settings: dict, target_dir: str | Path) -> dict:
-    """Fill what the rule normally resolves (target identity, default aux ids) for hand runs."""
+    """Fill the target identity (by content: the store keys of a moved or copied model stay the
+    same, a rule run and a hand run agree) and, for hand runs, the default aux ids."""
     settings = dict(settings)
     if not settings.get("target_identity"):
         from draftflow.target import target_identity
@@ -597,6 +599,19 @@ def range_meta(
     }
 
 
+def path_from(range_dir: Path, path: Path) -> str:
+    """`path` as the range index records it: relative to the range folder when given relative
+    (inside the workflow: the results folder can move), else absolute. `resolve_from` inverts it."""
+    path = Path(path)
+    if path.is_absolute():
+        return path.as_posix()
+    return Path(os.path.relpath(path.resolve(), Path(range_dir).resolve())).as_posix()
+
+
+def resolve_from(range_dir: Path, recorded: str) -> Path:
+    return (Path(range_dir) / recorded).resolve()
+
+
 def write_range(range_dir: Path, outcome: RangeOutcome, meta: dict) -> None:
     """failures.json, then index.json last: an index means the range is complete."""
     write_json(Path(range_dir) / FAILURES_NAME, outcome.failures)
@@ -635,6 +650,10 @@ def run_extract(
             meta = range_meta(outcome, engine, settings, split, start, end, store_root)
         finally:
             engine.close()
+    # What `draftflow verify --repair` needs to recompute a damaged sample bit for bit: the same
+    # records, target and settings (batch_tokens decides each batch's members).
+    meta.update(records=path_from(output, input_path), target_dir=path_from(output, target_dir),
+                extract_settings=settings)  # fmt: skip
     write_range(output, outcome, meta)
     s = outcome.stats
     log.info(

@@ -9,8 +9,10 @@ check_free_disk: the filesystem holding `--path` (or its nearest existing parent
 folder may not exist yet) must have `planned × (1 + free_disk_margin)` bytes free, where
 `planned` is the storage plan's expected (compressed) total. Sample files already in the
 content-keyed store (`--path/store`, if present) are reused rather than rewritten, so
-their size is subtracted from the plan first. This is an estimate: store files left by an
-older, incompatible run also count, which makes the check optimistic after such a run.
+their size is subtracted from the plan first. Only complete sample files count: a killed
+writer's temp files (`.<key>.dfhs.tmp-…`, removed by the next extraction) are not samples.
+This is an estimate: store files left by an older, incompatible run also count, which makes
+the check optimistic after such a run.
 Without a storage plan (`--plan` left out, e.g. a preflight before regeneration) it is skipped.
 
 Server checks (`draftflow.engines.servers.server_checks`), when the settings carry the config's
@@ -25,9 +27,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import shutil
-import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,6 +40,7 @@ from draftflow.hidden_states.plan import format_bytes
 log = logging.getLogger(__name__)
 
 STORE_DIR = "store"  # the content-keyed sample store inside the hidden-states folder
+SAMPLE_SUFFIX = ".dfhs"  # draftflow.hidden_states.storage.SUFFIX (not imported: that module loads torch)
 
 
 @dataclass(frozen=True)
@@ -92,17 +93,16 @@ def nearest_existing(path: Path) -> Path:
     return path
 
 
-def folder_bytes(folder: Path) -> int:
-    """Total size of the regular files under `folder` (0 if it does not exist); symlinks not followed."""
+def stored_sample_bytes(store: Path) -> int:
+    """Bytes of the complete sample files in a store (`ab/cd/<key>.dfhs`); temp files start with '.'."""
     total = 0
-    for root, _, files in os.walk(folder):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(root, name))
-            except FileNotFoundError:  # a writer renamed or removed it meanwhile
-                continue
-            if stat.S_ISREG(st.st_mode):
-                total += st.st_size
+    for path in Path(store).glob(f"*/*/*{SAMPLE_SUFFIX}"):
+        if path.name.startswith("."):
+            continue
+        try:
+            total += path.lstat().st_size
+        except FileNotFoundError:  # removed meanwhile
+            pass
     return total
 
 
@@ -111,7 +111,7 @@ def check_free_disk(ctx: PreflightContext) -> CheckResult:
         return CheckResult("free_disk", True, "no storage plan given: free disk not checked", {"skipped": True})
     planned = int(ctx.plan["total"]["bytes_expected"])
     margin = ctx.settings.free_disk_margin
-    in_store = folder_bytes(Path(ctx.path) / STORE_DIR)
+    in_store = stored_sample_bytes(Path(ctx.path) / STORE_DIR)
     needed = math.ceil(max(0, planned - in_store) * (1 + margin))
     measured = nearest_existing(ctx.path)
     free = shutil.disk_usage(measured).free
