@@ -51,7 +51,9 @@ def make_target(path: Path) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def greedy_samples(model, n: int, seed: int, prompt_len: int = 8, new_tokens: int = 40) -> list[tuple[np.ndarray, np.ndarray]]:
+def greedy_samples(
+    model, n: int, seed: int, prompt_len: int = 8, new_tokens: int = 40
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """Random prompts and the target's greedy continuations (one batch); mask on the continuation."""
     from transformers import DynamicCache
 
