@@ -232,12 +232,7 @@ def chain_overlaps(
 
 
 def simulate(
-    drafter,
-    head: TargetHead,
-    reader,
-    steps: int,
-    max_samples: int | None = None,
-    temperature: float = 0.0,
+    drafter, head: TargetHead, reader, steps: int, max_samples: int | None = None, temperature: float = 0.0,
     on_bad_sample: str = "fail",
 ) -> SimulatedAcceptance:
     """Simulated acceptance over the samples of a `storage.HiddenStateReader`: hits of the
@@ -306,9 +301,7 @@ class MethodResult:
             a.k, a.steps + b.steps, a.emitted + b.emitted, a.generated + b.generated, a.seconds + b.seconds,
             [x + y for x, y in zip(a.reached, b.reached)], [x + y for x, y in zip(a.accepted, b.accepted)],
         )  # fmt: skip
-        matches = (
-            None if None in (self.matches_greedy, other.matches_greedy) else self.matches_greedy + other.matches_greedy
-        )
+        matches = None if None in (self.matches_greedy, other.matches_greedy) else self.matches_greedy + other.matches_greedy
         return MethodResult(stats, matches, self.prompts + other.prompts)
 
 
@@ -585,9 +578,7 @@ def run_hf(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, li
             rows += hf_rows(ps.name, per_set[ps.name][0], per_set[ps.name][1], temperature)
         if inputs.eval_ranges:
             rows.append(simulated_row(simulated, temperature))
-        outputs += [
-            {"prompt_set": ps.name, "temperature": temperature, **o} for ps in sets for o in per_set[ps.name][2]
-        ]
+        outputs += [{"prompt_set": ps.name, "temperature": temperature, **o} for ps in sets for o in per_set[ps.name][2]]
 
     first = by_temperature[f"{settings.temperatures[0]:g}"]  # the headline: the first temperature (default 0)
     report = {
@@ -622,10 +613,7 @@ def _measure_sets(model, tokenizer, drafter, cfg, sets: list[PromptSet], setting
             saved = state.load(ps, unit, temperature)
             if saved is not None:
                 log.info("prompt set %s, T=%g: already measured (state %s)", ps.name, temperature, state.folder)
-                real = {
-                    m: {int(k): MethodResult.from_state(r) for k, r in per_k.items()}
-                    for m, per_k in saved["real"].items()
-                }
+                real = {m: {int(k): MethodResult.from_state(r) for k, r in per_k.items()} for m, per_k in saved["real"].items()}
                 per_set[ps.name] = (real, AcceptanceStats(**saved["greedy"]), saved["outputs"])
                 continue
             log.info("prompt set %s, T=%g: %d prompts, %d requests", ps.name, temperature, len(ps.prompts), ps.requests)
@@ -713,11 +701,8 @@ def served_report(units, sets: list[PromptSet], settings: EvaluateSettings, inpu
         "simulated": None,
         "eagle3": eagle3,
         "ngram": {},
-        "greedy": (
-            {"generated_tokens": b_gen, "seconds": b_sec, "tokens_per_second": b_gen / b_sec if b_sec else None}
-            if base_units
-            else None
-        ),
+        "greedy": {"generated_tokens": b_gen, "seconds": b_sec, "tokens_per_second": b_gen / b_sec if b_sec else None}
+        if base_units else None,
         "per_set": rows,
         "prompt_sets": {ps.name: {"kind": ps.kind, "prompts": len(ps.prompts), "requests": ps.requests,
                                   "skipped_too_long": ps.skipped} for ps in sets},  # fmt: skip
@@ -755,9 +740,7 @@ def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
     from draftflow.cli import settings_arg
 
     parser.add_argument("--drafter", type=Path, required=True, help="drafter folder (config.json + model.safetensors)")
-    parser.add_argument(
-        "--target", type=Path, required=True, help="target model folder (served engines: its tokenizer)"
-    )
+    parser.add_argument("--target", type=Path, required=True, help="target model folder (served engines: its tokenizer)")
     parser.add_argument("--eval-ranges", type=Path, nargs="*", default=[], metavar="RANGE_DIR",
                         help="eval split range folders (index.json) for the simulated acceptance")  # fmt: skip
     parser.add_argument(
