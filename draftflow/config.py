@@ -213,9 +213,16 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
 
 
 def _check_methods(config: dict) -> None:
-    """What the schema cannot say: DFlash is evaluated by the hf engine only (greedy decoding)."""
+    """What the schema cannot say: DFlash is evaluated by the hf engine only, greedily."""
     methods = (config.get("train") or {}).get("methods") or []
     engine = (config.get("evaluate") or {}).get("engine", "hf")
+    temperatures = (config.get("evaluate") or {}).get("temperatures") or [0.0]
+    if "dflash" in methods and any(t != 0 for t in temperatures):
+        raise ConfigError(
+            f"invalid draftflow config:\n  train.methods: includes dflash, but evaluate.temperatures is {temperatures}: "
+            "DFlash is evaluated with greedy decoding only (its block proposer has no sampling path). Set "
+            "evaluate.temperatures: [0], or train.methods: [eagle3]."
+        )
     if "dflash" in methods and engine != "hf":
         raise ConfigError(
             f"invalid draftflow config:\n  train.methods: includes dflash, but evaluate.engine is {engine}: served "

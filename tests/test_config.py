@@ -51,6 +51,8 @@ def test_defaults_filled_in_nested_datasets():
         ({}, "<top level>", "'datasets' is a required property"),
         ({"datasets": {"d": {"path": "x"}}, "train": {"methods": ["eagle3", "dflash"]}, "evaluate": {"engine": "vllm"}},
          "train.methods", "served evaluation measures EAGLE-3 drafters only"),  # fmt: skip
+        ({"datasets": {"d": {"path": "x"}}, "train": {"methods": ["dflash"]}, "evaluate": {"temperatures": [0, 1]}},
+         "train.methods", "DFlash is evaluated with greedy decoding only"),  # fmt: skip
     ],
 )
 def test_errors_name_the_key(config, key, words):
