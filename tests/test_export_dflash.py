@@ -194,7 +194,7 @@ def test_launch_scripts_run_the_exact_dflash_server_commands(saved, tmp_path):
     export(saved, "out-l")
     target = str((saved / "target").resolve())
     sg = (saved / "out-l" / "sglang").resolve()
-    assert run_launch(sg / "launch.sh", tmp_path, "python") == [
+    assert run_launch(sg / "launch.sh", tmp_path, "python3") == [
         "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm", "DFLASH",
         "--speculative-draft-model-path", str(sg), "--speculative-num-draft-tokens", str(BLOCK), "--tp", "2",
         "--port", "30000",

@@ -35,7 +35,6 @@ mask_token_id[, mask_token]}; model.safetensors with `fc`, `hidden_norm`, `layer
 from __future__ import annotations
 
 import logging
-import shlex
 from dataclasses import asdict
 from pathlib import Path
 
@@ -119,7 +118,7 @@ def sglang_launch(target_path: Path, block: int, tp: int, trust_remote_code: boo
     from draftflow.engines.export import launch_script
 
     command = [
-        "python", "-m", "sglang.launch_server",
+        '"${PYTHON:-python3}"', "-m", "sglang.launch_server",
         "--model-path", '"$TARGET"',
         "--speculative-algorithm", "DFLASH",
         "--speculative-draft-model-path", '"$DRAFTER"',
@@ -128,8 +127,8 @@ def sglang_launch(target_path: Path, block: int, tp: int, trust_remote_code: boo
     ]  # fmt: skip
     if trust_remote_code:
         command.append("--trust-remote-code")
-    target = f'TARGET="${{TARGET:-{shlex.quote(str(target_path))}}}"\n'
-    return launch_script(f"SGLang {version}: serve the target with this DFlash drafter (block {block}).", command, target)
+    header = f"SGLang {version}: serve the target with this DFlash drafter (block {block})."
+    return launch_script(header, command, target_path)
 
 
 def vllm_launch(target_path: Path, block: int, tp: int, trust_remote_code: bool, version: str) -> str:
@@ -138,14 +137,12 @@ def vllm_launch(target_path: Path, block: int, tp: int, trust_remote_code: bool,
     command = ["vllm", "serve", '"$TARGET"', "--tensor-parallel-size", str(tp), "--speculative-config", '"$SPEC"']
     if trust_remote_code:
         command.append("--trust-remote-code")
-    extra = (
-        f'TARGET="${{TARGET:-{shlex.quote(str(target_path))}}}"\n'
-        f'SPEC=$(printf \'{{"method": "dflash", "model": "%s", "num_speculative_tokens": {block - 1}}}\' "$DRAFTER")\n'
-    )
+    extra = f'SPEC=$(printf \'{{"method": "dflash", "model": "%s", "num_speculative_tokens": {block - 1}}}\' "$DRAFTER")\n'
     return launch_script(
         f"vLLM {version}: serve the target with this DFlash drafter (block {block}; needs an attention backend "
         "with non-causal support, e.g. FLASH_ATTN).",
         command,
+        target_path,
         extra,
     )
 
