@@ -7,9 +7,11 @@ runs them all, reports every failure at once, and writes preflight.json only whe
 
 check_free_disk: the filesystem holding `--path` (or its nearest existing parent, as the
 folder may not exist yet) must have `planned × (1 + free_disk_margin)` bytes free, where
-`planned` is the storage plan's expected (compressed) total. Sample files already in the
-content-keyed store (`--path/store`, if present) are reused rather than rewritten, so
-their size is subtracted from the plan first. This is an estimate: store files left by an
+`planned` is the storage plan's expected (compressed) total, which depends on
+`extract.storage`. Sample files already in the content-keyed store (`--path/store`, if
+present) are reused rather than rewritten, so their size is subtracted from the plan
+first; only files of the plan's storage mode count (lossless files are never reused by an
+fp8 run, nor the reverse). This is an estimate: store files of the same mode left by an
 older, incompatible run also count, which makes the check optimistic after such a run.
 Without a storage plan (`--plan` left out, e.g. a preflight before regeneration) it is skipped.
 
@@ -106,12 +108,33 @@ def folder_bytes(folder: Path) -> int:
     return total
 
 
+def store_bytes(folder: Path, storage: str | None) -> int:
+    """Size of the complete sample files under `folder` stored in `storage` mode (every
+    regular file when None: a plan from before storage modes)."""
+    from draftflow.hidden_states.storage import SUFFIX, storage_of_file  # torch: only when needed
+
+    if storage is None:
+        return folder_bytes(folder)
+    total = 0
+    for path in Path(folder).glob(f"*/*/*{SUFFIX}"):
+        if path.name.startswith("."):  # a writer's temp file
+            continue
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            continue
+        if storage_of_file(path) == storage:
+            total += size
+    return total
+
+
 def check_free_disk(ctx: PreflightContext) -> CheckResult:
     if ctx.plan is None:
         return CheckResult("free_disk", True, "no storage plan given: free disk not checked", {"skipped": True})
     planned = int(ctx.plan["total"]["bytes_expected"])
     margin = ctx.settings.free_disk_margin
-    in_store = folder_bytes(Path(ctx.path) / STORE_DIR)
+    storage = ctx.plan.get("storage")
+    in_store = store_bytes(Path(ctx.path) / STORE_DIR, storage)
     needed = math.ceil(max(0, planned - in_store) * (1 + margin))
     measured = nearest_existing(ctx.path)
     free = shutil.disk_usage(measured).free
@@ -120,13 +143,14 @@ def check_free_disk(ctx: PreflightContext) -> CheckResult:
         "measured_at": str(measured),
         "planned_bytes": planned,
         "store_bytes": in_store,
+        "storage": storage,
         "margin": margin,
         "needed_bytes": needed,
         "free_bytes": free,
     }
     summary = (
         f"need {format_bytes(needed)} (planned {format_bytes(planned)} - {format_bytes(in_store)} already in "
-        f"the store, + {margin:.0%} margin), {format_bytes(free)} free at {measured}"
+        f"the store{f' as {storage}' if storage else ''}, + {margin:.0%} margin), {format_bytes(free)} free at {measured}"
     )
     if free >= needed:
         return CheckResult("free_disk", True, summary, details)

@@ -649,6 +649,21 @@ def encode_fp8_parts(input_ids, loss_mask, hidden: torch.Tensor | Fp8Hidden, lev
     return parts + [data for _, data in sections]
 
 
+def storage_of_file(path: Path) -> str | None:
+    """"lossless" or "fp8" from a sample file's first bytes (its format version), None if it is none."""
+    try:
+        with open(path, "rb") as f:
+            preamble = f.read(_PREAMBLE.size)
+    except OSError:
+        return None
+    if len(preamble) < _PREAMBLE.size:
+        return None
+    magic, version, _ = _PREAMBLE.unpack(preamble)
+    if magic != MAGIC:
+        return None
+    return {FORMAT_VERSION: "lossless", FP8_FORMAT_VERSION: "fp8"}.get(version)
+
+
 def _decode_fp8(header: SampleHeader, raw: dict[str, memoryview | bytes], check: bool) -> Sample:
     T, L, H = header.shape
     try:
