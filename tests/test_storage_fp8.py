@@ -373,3 +373,32 @@ def test_import_into_another_mode_rekeys_the_samples(tmp_path):
     for i in range(len(samples)):
         assert torch.equal(bits(lossless[i].hidden), bits(fp8[i].hidden))  # the decoded values, stored exactly
         assert lossless[i].fp8 is None
+
+
+def test_speculators_own_fp8_files_import_as_their_trainer_reads_them(tmp_path):
+    """hs-connectors' FP8HiddenStatesConnector: one amax/448 scale per token over all states ([T, 1, 1])."""
+    from safetensors.torch import save_file
+
+    from test_storage import build_ranges
+
+    hs, samples = build_ranges(tmp_path)
+    spec = tmp_path / "spec"
+    convert("draftflow", "speculators", hs, spec, ConvertOptions(copy_final=True))
+    expected = []
+    for i, (_, _, ids, _, hidden) in enumerate(samples):
+        x = hidden.float()
+        scale = (x.abs().amax(dim=(1, 2), keepdim=True) / 448).clamp(min=1e-12)  # [T, 1, 1], not a power of two
+        codes = (x / scale).to(torch.float8_e4m3fn)
+        save_file({"token_ids": torch.from_numpy(ids), "hidden_states": codes, "hidden_states_scales": scale},
+                  str(spec / "hidden_states" / f"hs_{i}.safetensors"))  # fmt: skip
+        expected.append(codes.to(torch.bfloat16) * scale.to(torch.bfloat16))  # their FP8Transfer
+    for storage in ("lossless", "fp8"):
+        out = tmp_path / storage
+        convert("speculators", "draftflow", spec, out, ConvertOptions(copy_final=True, storage=storage))
+        reader = HiddenStateReader(sorted(out.glob("rows_*")))
+        for i, want in enumerate(expected):
+            got = reader[i].hidden
+            if storage == "lossless":
+                assert torch.equal(bits(got), bits(want))
+            else:  # quantized again, with draftflow's scales
+                assert float(row_relative_error(got, want).max()) < (2**-8 + 2**-12) ** 0.5
