@@ -135,7 +135,7 @@ def verify_first_batch(
     captured = engine.capture([r.input_ids for r in first])  # on the device
     exact, max_diff, errors = True, 0.0, []
     for hidden, entry in zip(captured, entries):
-        sample = decode_sample(store.get(entry.key), check=True)
+        sample = decode_sample(store.get(entry.key), check=True, fp8_codes=True)
         fresh = hidden.cpu()
         if storage == "fp8":
             q = quantize_fp8(hidden, check=False)

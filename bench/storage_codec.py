@@ -214,7 +214,7 @@ def fp8_codec(samples: list[torch.Tensor], ids: list[np.ndarray], level: int, re
     chained = sum(s["nbytes"] for d in encoded for s in storage.read_header(d).sections if s["name"] == "hidden.fp8")
     errors = []
     for data, q, h in zip(encoded, quantized, samples):
-        sample = decode_sample(data, check=True)
+        sample = decode_sample(data, check=True, fp8_codes=True)
         assert torch.equal(sample.fp8.codes, q.codes) and storage.fp8_problem(sample.fp8) is None
         errors.append(row_errors(sample.hidden, h))
 

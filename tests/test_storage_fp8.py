@@ -62,7 +62,8 @@ def test_round_trip_decodes_exactly_codes_times_power_of_two(dtype):
     header = read_header(data)
     assert header.storage == "fp8" and header.dtype == str(dtype).removeprefix("torch.")
     assert header.raw_nbytes == 9 * 37 + hidden.numel() * hidden.element_size()  # counted as what it decodes to
-    sample = decode_sample(data, check=True)
+    assert decode_sample(data).fp8 is None  # values only, unless asked (the trainer's reader)
+    sample = decode_sample(data, check=True, fp8_codes=True)
     assert sample.input_ids.tolist() == ids.tolist() and sample.loss_mask.tolist() == mask.tolist()
     assert sample.hidden.dtype == dtype and sample.hidden.shape == hidden.shape
     q = quantize_fp8(hidden)

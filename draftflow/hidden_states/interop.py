@@ -154,7 +154,7 @@ def read_draftflow(input_dir: Path, store_root: Path | None = None) -> list[tupl
 
 
 def _draftflow_items(range_dirs: list[Path], store_root: Path | None) -> Iterator[Item]:
-    reader = HiddenStateReader(range_dirs, store_root=store_root, check=True)
+    reader = HiddenStateReader(range_dirs, store_root=store_root, check=True, fp8_codes=True)
     for i in range(len(reader)):
         yield Item(i, reader.sample_ids[i], reader.keys[i], reader[i])
 

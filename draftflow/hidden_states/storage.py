@@ -431,8 +431,12 @@ def _join_planes(planes: list[np.ndarray]) -> np.ndarray:
     return cols.reshape(-1).view(_INT_VIEW[itemsize][1])
 
 
-def decode_sample(data: bytes, check: bool = False) -> Sample:
-    """Inverse of `encode_sample`. With check=True also verify the raw-payload checksum."""
+def decode_sample(data: bytes, check: bool = False, fp8_codes: bool = False) -> Sample:
+    """Inverse of `encode_sample`. With check=True also verify the raw-payload checksum.
+
+    fp8 files decode to the capture dtype; fp8_codes=True also returns the stored codes and
+    scales (`Sample.fp8`), for checks and exact conversions.
+    """
     view = memoryview(data)
     header = read_header(view)
     T, L, H = header.shape
@@ -443,7 +447,7 @@ def decode_sample(data: bytes, check: bool = False) -> Sample:
         offset += section["nbytes"]
 
     if header.storage == "fp8":
-        return _decode_fp8(header, raw, check)
+        return _decode_fp8(header, raw, check, fp8_codes)
     torch_dtype = DTYPES[header.dtype]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     numel = T * L * H
@@ -664,7 +668,7 @@ def storage_of_file(path: Path) -> str | None:
     return {FORMAT_VERSION: "lossless", FP8_FORMAT_VERSION: "fp8"}.get(version)
 
 
-def _decode_fp8(header: SampleHeader, raw: dict[str, memoryview | bytes], check: bool) -> Sample:
+def _decode_fp8(header: SampleHeader, raw: dict[str, memoryview | bytes], check: bool, keep_codes: bool) -> Sample:
     T, L, H = header.shape
     try:
         chained = np.frombuffer(raw["hidden.fp8"], np.uint8, count=T * L * H).reshape(T, L, H)
@@ -677,7 +681,7 @@ def _decode_fp8(header: SampleHeader, raw: dict[str, memoryview | bytes], check:
     if check and not verify_checksum(header.raw_checksum, ids, mask, codes, exps):
         raise ValueError("raw-payload checksum mismatch")
     dtype = DTYPES[header.dtype]
-    q = Fp8Hidden(torch.from_numpy(codes), torch.from_numpy(exps), dtype)
+    q = Fp8Hidden(torch.from_numpy(codes), torch.from_numpy(exps), dtype) if keep_codes else None
     return Sample(input_ids=ids, loss_mask=mask, hidden=dequantize_fp8(codes, exps, dtype), fp8=q)
 
 
@@ -963,9 +967,12 @@ class HiddenStateReader:
     processes; each __getitem__ reads and decodes one file.
     """
 
-    def __init__(self, range_dirs: Sequence[Path], store_root: Path | None = None, check: bool = False):
+    def __init__(
+        self, range_dirs: Sequence[Path], store_root: Path | None = None, check: bool = False, fp8_codes: bool = False
+    ):
         self.range_dirs = [Path(d) for d in range_dirs]
         self.check = check  # verify the raw-payload checksum on every read
+        self.fp8_codes = fp8_codes  # fp8 files: also return their codes (Sample.fp8); training needs only values
         self._stores: list[SampleStore] = []
         store_of: list[int] = []
         self.keys: list[str] = []
@@ -993,7 +1000,7 @@ class HiddenStateReader:
         store = self._stores[self._store_of[i]]
         key = self.keys[i]
         try:
-            sample = decode_sample(store.get(key), check=self.check)
+            sample = decode_sample(store.get(key), check=self.check, fp8_codes=self.fp8_codes)
         except ValueError as e:
             raise DraftflowError(
                 f"{store.path(key)} (sample {self.sample_ids[i]}): {e}; run `draftflow verify --repair`"

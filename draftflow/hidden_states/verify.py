@@ -103,7 +103,7 @@ def check_file(expect: _Expect, decode: bool) -> str | None:
         return f"header loss_tokens {header.loss_tokens}, index says {e.loss_tokens}"
     if decode:
         try:
-            sample = decode_sample(data, check=True)
+            sample = decode_sample(data, check=True, fp8_codes=True)
         except ValueError as err:
             return f"does not decode: {err}"
         problem = fp8_problem(sample.fp8) if sample.fp8 is not None else None
