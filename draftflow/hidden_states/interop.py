@@ -505,8 +505,8 @@ def _speculators_fp8(sample: Sample, hidden: torch.Tensor, final_changed: bool) 
     if final_changed and sample.fp8 is not None:
         final = quantize_fp8(hidden[:, -1:].contiguous())
         codes[:, -1:], exps[:, -1:] = final.codes, final.exps
-    scales = torch.ldexp(torch.ones(exps.shape), exps.to(torch.float32))[..., None]  # 2^k, exact
-    return {"hidden_states": codes.view(torch.float8_e4m3fn), SPECULATORS_SCALES: scales.float()}
+    scales = torch.from_numpy(np.ldexp(np.float32(1), exps.numpy().astype(np.int32)))[..., None]  # [T, L, 1] 2^k, exact
+    return {"hidden_states": codes.view(torch.float8_e4m3fn), SPECULATORS_SCALES: scales}
 
 
 def _speculators_batch(samples: list[Sample]):
