@@ -303,3 +303,25 @@ def test_cuda_pipeline_stores_exact_captures(target, split, tmp_path):
         for p, hidden in zip(batch, fresh):
             stored = decode_sample(store.get(by_id[records[p].sample_id].key), check=True).hidden
             assert torch.equal(stored, hidden.cpu())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pipeline_stores_fp8_quantized_on_the_gpu(target, split, tmp_path):
+    # fp8: the GPU quantizes, the slot carries codes + scale exponents; the files hold exactly those.
+    from draftflow.hidden_states.storage import quantize_fp8
+
+    path, _ = split
+    records = read_records(path, 0, 10)
+    s = settings(dtype="bfloat16", storage="fp8")
+    engine = make_capture_engine(s, target, ["cuda:0"])
+    store = SampleStore(tmp_path / "store")
+    options = ExtractOptions(batch_tokens=64, writer_threads=2, storage="fp8")
+    outcome = extract_range(records, engine, store, s, options)
+    by_id = {e.sample_id: e for e in outcome.entries}
+    for batch in plan_batches([len(r.input_ids) for r in records], 64):
+        fresh = engine.capture([records[p].input_ids for p in batch])
+        for p, hidden in zip(batch, fresh):
+            stored = decode_sample(store.get(by_id[records[p].sample_id].key), check=True, fp8_codes=True)
+            q = quantize_fp8(hidden, check=False)
+            assert torch.equal(stored.fp8.codes, q.codes.cpu()) and torch.equal(stored.fp8.exps, q.exps.cpu())
+            assert torch.equal(stored.hidden, q.dequantize())
