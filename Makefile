@@ -5,6 +5,7 @@ VENV ?= .venv
 # GPU users: install their CUDA torch into the venv first, or set TORCH=torch.
 TORCH ?= torch==2.13.0
 SNAKEMAKE_ARGS ?=
+PYTEST_ARGS ?=
 
 .PHONY: setup run test clean
 
@@ -21,7 +22,7 @@ run: setup
 	$(VENV)/bin/snakemake --cores all $(SNAKEMAKE_ARGS)
 
 test: setup
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf results .snakemake

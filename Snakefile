@@ -19,6 +19,12 @@ include: "rules/merge.smk"
 include: "rules/extract.smk"
 include: "rules/train.smk"
 include: "rules/evaluate.smk"
+include: "rules/report.smk"
+
+
+# The report (`snakemake --report`) opens on this page: the run's headline figures and
+# tables once rule summary wrote them, before that the workflow's description.
+report: os.path.abspath(SUMMARY_PAGE) if os.path.exists(SUMMARY_PAGE) else "report/workflow.rst"
 
 
 rule all:

@@ -17,10 +17,18 @@ fp8 runs also report the reconstruction error: the first batch is captured again
 captured state the row-wise relative L2 error ||stored - capture|| / ||capture|| (mean and
 max over rows); the stored codes must equal a fresh GPU quantization bit for bit.
 
+Checksums (`--checks`): extraction reads the store only to re-index a sample it reuses (a
+resumed or re-merged range), and since files carry a payload checksum that re-index checks it
+(`SampleStore.entry_for`: read, payload hash, file hash) instead of trusting the file (read,
+file hash). Both are timed on the written files on one thread, side by side
+(`reindex_checked_s` / `reindex_unchecked_s`), and the payload hash the writers now add per
+file as a share of the writer pool's time in (b) (`payload_hash_share_of_writers`).
+
     python bench/extract_throughput.py                 # H200: 8B shape, 2048-token samples
     python bench/extract_throughput.py --storage lossless fp8   # both modes, side by side
     python bench/extract_throughput.py --tiny          # any machine, seconds (CPU if no CUDA)
     python bench/extract_throughput.py --store-dir /local/nvme/tmp --writer-threads 12
+    python bench/extract_throughput.py --checks        # + the cost of the stored-file checks
 
 The default run writes ~19 GB (deleted afterwards unless --keep): a short run would be
 dominated by the writers' backlog at the end, which a 2,000-sample range amortizes.
@@ -45,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from draftflow.engines.hf_capture import HfCaptureEngine  # noqa: E402
 from draftflow.hidden_states.extract import ExtractOptions, Record, extract_range  # noqa: E402
-from draftflow.hidden_states.storage import SampleStore, decode_sample, quantize_fp8  # noqa: E402
+from draftflow.hidden_states.storage import SampleStore, checksum, decode_sample, quantize_fp8, read_header  # noqa: E402
 
 LLAMA_31_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -70,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--aux-layer-ids", type=int, nargs="+", default=None, help="default [1, N//2-1, N-4]")
     p.add_argument("--store-dir", type=Path, default=None, help="parent folder of the temporary store (local disk)")
     p.add_argument("--keep", action="store_true", help="keep the store afterwards")
+    p.add_argument("--checks", action="store_true", help="also time re-indexing with / without the file checks")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--storage", nargs="+", choices=["lossless", "fp8"], default=["lossless"],
@@ -179,6 +188,7 @@ def extract_once(args, engine, records, aux, raw_hidden: int, per_batch: int, st
         extract_s = time.perf_counter() - t0  # every file written and fsync'd
         stored = sum(e.nbytes for e in outcome.entries)
         verify = verify_first_batch(engine, SampleStore(store_root), records, outcome.entries, per_batch, storage)
+        checks = check_costs(SampleStore(store_root), outcome.entries, extract_s, args.writer_threads) if args.checks else None
         extract_tps = args.samples * args.seq_len / extract_s
         return {
             "storage": storage,
@@ -197,11 +207,48 @@ def extract_once(args, engine, records, aux, raw_hidden: int, per_batch: int, st
             },
             "computed": outcome.stats.computed,
             "verify": verify,
+            **({"checks": checks} if checks else {}),
             "store": str(store_root),
         }
     finally:
         if not args.keep:
             shutil.rmtree(store_root, ignore_errors=True)
+
+
+def check_costs(store: SampleStore, entries, extract_s: float, writer_threads: int, repeat: int = 3) -> dict:
+    """Seconds on one thread over every written file (best of `repeat`, alternating): re-index with
+    checks (entry_for) and without (read + header + file hash, what entry_for did before), and
+    the payload hash alone."""
+
+    def checked():
+        for e in entries:
+            store.entry_for(e.key, e.sample_id)
+
+    def unchecked():
+        for e in entries:
+            data = store.get(e.key)
+            read_header(data)
+            checksum(data)
+
+    payloads = [memoryview(d)[read_header(d).data_offset :] for d in (store.get(e.key) for e in entries)]
+
+    def payload_hash():
+        for payload in payloads:
+            checksum(payload)
+
+    best = {f: float("inf") for f in (checked, unchecked, payload_hash)}
+    for _ in range(repeat):
+        for f in best:
+            t0 = time.perf_counter()
+            f()
+            best[f] = min(best[f], time.perf_counter() - t0)
+    return {
+        "reindex_checked_s": round(best[checked], 4),
+        "reindex_unchecked_s": round(best[unchecked], 4),
+        "reindex_checked_over_unchecked": round(best[checked] / best[unchecked], 3),
+        "payload_hash_s": round(best[payload_hash], 4),
+        "payload_hash_share_of_writers": round(best[payload_hash] / (extract_s * writer_threads), 4),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,9 @@ Activations come from a randomly initialized HF LlamaForCausalLM in bf16 (no
 downloads): aux layers [1, N//2-1, N-4] + the post-norm final state, i.e. the
 [T, 4, H] tensor extraction stores. Reports the stored/raw ratio for plain zstd
 and for the byte-plane codec, single-thread encode/decode MB/s (of raw bf16), and
-encode throughput of a thread pool (zstd releases the GIL).
+encode throughput of a thread pool (zstd releases the GIL), and what checking a read costs:
+the file checksum every training read verifies against its index (`verify_ms_per_sample`,
+one hash of the stored bytes) next to decoding it (`decode_ms_per_sample`), as a ratio.
 
 Writer scaling (`--scaling-threads`, on by default): one 8B-shaped sample ([2048, 4, 4096]
 bf16 from a 4-layer random Llama with H 4096, aux layers 0, 1, 2) goes through the extraction writer's path,
@@ -301,7 +303,11 @@ def main() -> None:
         for data in encoded:
             decode_sample(data)
 
-    enc_s, dec_s = timed(encode_all, args.repeat), timed(decode_all, args.repeat)
+    def hash_all():  # what HiddenStateReader adds to every read: the file checksum against the index
+        for data in encoded:
+            storage.checksum(data)
+
+    enc_s, dec_s, hash_s = timed(encode_all, args.repeat), timed(decode_all, args.repeat), timed(hash_all, args.repeat)
     pool = {}
     jobs = [(i, h) for i, h in zip(ids, samples)] * 4
     for n in args.threads:
@@ -320,6 +326,10 @@ def main() -> None:
         "ratio_byte_planes": round(sum(map(len, encoded)) / raw, 4),
         "encode_MBps_1_thread": round(raw / enc_s / 1e6),
         "decode_MBps_1_thread": round(raw / dec_s / 1e6),
+        "verify_ms_per_sample": round(hash_s / len(encoded) * 1e3, 3),
+        "decode_ms_per_sample": round(dec_s / len(encoded) * 1e3, 3),
+        "verify_over_decode": round(hash_s / dec_s, 4),
+        "verify_over_encode": round(hash_s / enc_s, 4),
         "encode_MBps_by_threads": pool,
         "writer_scaling": scaling,
         "fp8": fp8,

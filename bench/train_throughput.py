@@ -12,6 +12,11 @@ Two timed phases of the same step:
 data_wait_share = 1 - compute-only step time / end-to-end step time (goal <= 0.05);
 host_blocked_share = share of end-to-end wall time the training loop sat in next(loader).
 
+Read-time verification (every read's file checksum against its index, as training does):
+`--verify-reads both` runs the end-to-end phase four times, alternating on / off / on / off,
+each with a fresh DataLoader and one untimed step first, and reports both tokens/s and
+`verify_cost` = 1 - on / off (goal < 0.02). `on` (the default) and `off` run one phase.
+
 FLOPs counted (model FLOPs, for MFU): 6 x matmul parameters per token per TTT step
 (q/k/v/o, MLP, LM head; fc once per token, 4x as its input needs no gradient) plus causal
 attention actually attended (12 x heads x head_dim x visible keys per token per step: the
@@ -20,6 +25,7 @@ target_head_flops_per_token), masked-out attention work, norms and softmax.
 
     python bench/train_throughput.py            # GPU: 8B shape (H200: a few minutes)
     python bench/train_throughput.py --tiny     # any machine, seconds (CPU if no CUDA)
+    python bench/train_throughput.py --verify-reads both   # the cost of read-time checksums, side by side
 
 Prints one JSON line.
 """
@@ -74,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-dir", type=Path, help="where to write the store (default: a temp folder)")
     p.add_argument("--peak-tflops", type=float, help="bf16 dense peak for MFU (default: by device name)")
     p.add_argument("--profile", action="store_true", help="also print the top kernels of 2 steps to stderr")
+    p.add_argument("--verify-reads", choices=["on", "off", "both"], default="on",
+                   help="check each read's file checksum (training always does); both: side by side")  # fmt: skip
     a = p.parse_args(argv)
     t = a.tiny
     a.seq_len = a.seq_len or (128 if t else 2048)
@@ -159,7 +167,7 @@ def main(argv=None) -> None:
         opt, sched = make_optimizer(drafter, s, total, fused=cuda)
         env = DistEnv(device=device)
 
-        reader = HiddenStateReader([range_dir])
+        reader = HiddenStateReader([range_dir], verify=a.verify_reads != "off")
         epochs = math.ceil((a.warmup + a.steps) / max(1, len(plan_batches(reader.lengths, a.batch_tokens, 0, 0))))
         batches = [b for e in range(epochs + 1) for b in plan_batches(reader.lengths, a.batch_tokens, 0, e)]
         loader = iter(make_loader(reader, batches, s, device))
@@ -186,17 +194,29 @@ def main(argv=None) -> None:
             torch.cuda.reset_peak_memory_stats()
 
         # end-to-end: from disk through the DataLoader
-        blocked, tokens = 0.0, 0
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(a.steps):
-            tb = time.perf_counter()
-            batch = next(loader).to(device)
-            blocked += time.perf_counter() - tb
-            tokens += batch.tokens
-            stats, _ = step(batch)
-        sync()
-        wall = time.perf_counter() - t0
+        def end_to_end(batch_iter) -> tuple[int, float, float, torch.Tensor]:
+            blocked, tokens = 0.0, 0
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                tb = time.perf_counter()
+                batch = next(batch_iter).to(device)
+                blocked += time.perf_counter() - tb
+                tokens += batch.tokens
+                stats, _ = step(batch)
+            sync()
+            return tokens, time.perf_counter() - t0, blocked, stats
+
+        verify_phases = {}
+        if a.verify_reads == "both":
+            for verify in (True, False, True, False):
+                phase_reader = HiddenStateReader([range_dir], verify=verify)
+                phase_iter = iter(make_loader(phase_reader, batches, s, device))
+                step(next(phase_iter).to(device))  # untimed: worker start-up
+                t, w, _, _ = end_to_end(phase_iter)
+                verify_phases.setdefault(verify, []).append(t / w)
+                del phase_iter
+        tokens, wall, blocked, stats = end_to_end(loader)
         e2e_s = wall / a.steps
         loss = (stats[0] / stats[1].clamp(min=1)).sum().item()
         if a.profile:
@@ -236,6 +256,12 @@ def main(argv=None) -> None:
         "peak_tflops": peak,
         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "stored_over_raw": round(ratio, 3),
+        "verify_reads": a.verify_reads,
+        **({
+            "tokens_per_s_verify": round(float(np.mean(verify_phases[True])), 1),
+            "tokens_per_s_no_verify": round(float(np.mean(verify_phases[False])), 1),
+            "verify_cost": round(1 - float(np.mean(verify_phases[True])) / float(np.mean(verify_phases[False])), 4),
+        } if verify_phases else {}),
         "fabricate_s": round(fabricate_s, 1),
         "last_loss": round(loss, 4),
     }  # fmt: skip

@@ -17,14 +17,29 @@ from typing import Any, Iterable, Iterator
 import zstandard
 
 
+def file_mode(executable: bool = False) -> int:
+    """The mode `open()` gives a new file: 0666 (0777 if executable) less the umask.
+    safetensors writes its files 0600, private to one user: wrong for a model others serve."""
+    try:  # Linux: read it without changing it (os.umask is process-wide, racy with threads)
+        with open("/proc/self/status") as f:
+            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return (0o777 if executable else 0o666) & ~mask
+
+
 @contextlib.contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path next to `path`; on success fsync it and rename it into place."""
+def atomic_path(path: str | Path, mode: int | None = None) -> Iterator[Path]:
+    """Yield a temporary path next to `path`; on success fsync it (chmod it to `mode` if
+    given) and rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield tmp
+        if mode is not None:
+            tmp.chmod(mode)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)

@@ -3,7 +3,7 @@
     lengths     sample lengths of the merged set, per dataset    train.jsonl [eval.jsonl] [manifest.json]
     storage     hidden-state bytes planned vs written             storage_plan.json, data_config.json
     training    TTT loss and per-step accuracy over training      the drafter's metrics.jsonl
-    acceptance  per-position acceptance and τ, EAGLE-3 vs n-gram   acceptance.json
+    acceptance  per-position acceptance and τ, all prompts and per set   acceptance.json
 
 Each figure is a plain function of already-written files, so a figure can be redrawn without
 rerunning its stage; nothing here reads hidden-state tensors.
@@ -61,18 +61,23 @@ def plot_lengths(train: Path, output: Path, eval_data: Path | None = None, manif
             lengths.setdefault(name, []).extend(values)
     if not lengths:
         raise DraftflowError(f"{train}: no records to plot")
-    max_seq_len = read_json(manifest)["settings"]["max_seq_len"] if manifest else None
+    info = read_json(manifest) if manifest else {"settings": {}, "datasets": {}}
+    max_seq_len = info.get("settings", {}).get("max_seq_len")
+    # source records prepare rejected, per dataset (shown so that they are not missed)
+    rejected = {n: d.get("rejected", 0) for n, d in info.get("datasets", {}).items()}
     names = sorted(lengths)
     top = max_seq_len or max(max(v) for v in lengths.values())
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.hist([lengths[n] for n in names], bins=50, range=(0, top), stacked=True,
-            label=[f"{n} ({len(lengths[n])})" for n in names])  # fmt: skip
+    labels = [f"{n} ({len(lengths[n])}" + (f", {rejected[n]} rejected)" if rejected.get(n) else ")") for n in names]
+    ax.hist([lengths[n] for n in names], bins=50, range=(0, top), stacked=True, label=labels)
     if max_seq_len:
         ax.axvline(max_seq_len, color="black", linestyle="--", linewidth=1, label=f"max_seq_len {max_seq_len}")
     total = sum(len(v) for v in lengths.values())
     tokens = sum(sum(v) for v in lengths.values())
-    ax.set(xlabel="sample length (tokens)", ylabel="samples",
-           title=f"Merged set: {total:,} samples, {tokens:,} tokens")  # fmt: skip
+    title = f"Merged set: {total:,} samples, {tokens:,} tokens"
+    if sum(rejected.values()):
+        title += f"; {sum(rejected.values()):,} source records rejected"
+    ax.set(xlabel="sample length (tokens)", ylabel="samples", title=title)
     ax.legend(fontsize=8)
     _save(fig, output)
 
@@ -155,8 +160,9 @@ def plot_training(metrics: Path, output: Path) -> None:
 
 
 def plot_acceptance(acceptance: Path, output: Path) -> None:
-    """Left: conditional acceptance α_k per draft position at the largest K, real EAGLE-3, real
-    n-gram and simulated. Right: acceptance length τ per K, with the K+1 ceiling."""
+    """Left: conditional acceptance α_k per draft position at the largest K (EAGLE-3, and where
+    measured n-gram and simulated). Middle: acceptance length τ per K, with the K+1 ceiling.
+    Right: τ per prompt set at the largest K (one bar per set and temperature)."""
     plt = _pyplot()
     report = read_json(acceptance)
     try:
@@ -164,14 +170,18 @@ def plot_acceptance(acceptance: Path, output: Path) -> None:
         sim = report["simulated"]
     except KeyError as e:
         raise DraftflowError(f"{acceptance}: field {e.args[0]!r} missing; not a `draftflow evaluate` output") from None
+    if not ks:
+        raise DraftflowError(f"{acceptance}: no EAGLE-3 measurement to plot")
     k_max = str(ks[-1])
-    fig, (alpha_ax, tau_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, alpha, style in (
-        ("eagle3", report["eagle3"][k_max]["alpha"], "o-"),
-        ("ngram", report["ngram"][k_max]["alpha"], "s-"),
-        ("simulated", sim["alpha"], "^--"),
-    ):
-        label = {"eagle3": "EAGLE-3 (real)", "ngram": "n-gram (real)", "simulated": "EAGLE-3 (simulated)"}[name]
+    ngram = report.get("ngram") or {}
+    engine = report.get("engine", "hf")
+    fig, (alpha_ax, tau_ax, set_ax) = plt.subplots(1, 3, figsize=(16, 4.2))
+    curves = [("eagle3", report["eagle3"][k_max]["alpha"], "o-")]
+    curves += [("ngram", ngram[k_max]["alpha"], "s-")] if k_max in ngram else []
+    curves += [("simulated", sim["alpha"], "^--")] if sim else []
+    for name, alpha, style in curves:
+        label = {"eagle3": f"EAGLE-3 ({'real' if engine == 'hf' else engine})", "ngram": "n-gram (real)",
+                 "simulated": "EAGLE-3 (simulated)"}[name]  # fmt: skip
         alpha_ax.plot(range(1, len(alpha) + 1), alpha, style, color=COLORS[name], label=label)
     alpha_ax.set(xlabel="draft position k", ylabel="α_k = P(accept k | accepted < k)", ylim=(0, 1.02),
                  title=f"Per-position acceptance, K = {k_max}")  # fmt: skip
@@ -180,19 +190,43 @@ def plot_acceptance(acceptance: Path, output: Path) -> None:
     width = 0.38
     x = range(len(ks))
     for offset, name in ((-width / 2, "eagle3"), (width / 2, "ngram")):
+        if name == "ngram" and not ngram:
+            continue
         taus = [report[name][str(k)]["acceptance_length"] for k in ks]
         rects = tau_ax.bar([i + offset for i in x], taus, width, color=COLORS[name],
                            label="EAGLE-3" if name == "eagle3" else "n-gram")  # fmt: skip
         tau_ax.bar_label(rects, labels=[f"{t:.2f}" for t in taus], fontsize=8)
-    if sim["draft_tokens"] in ks:  # simulated τ next to the real one at the same K
+    if sim and sim["draft_tokens"] in ks:  # simulated τ next to the real one at the same K
         x_sim, tau_sim = ks.index(sim["draft_tokens"]) - width / 2, sim["acceptance_length"]
         label = f"EAGLE-3 simulated ({tau_sim:.2f})"
         tau_ax.scatter([x_sim], [tau_sim], marker="^", zorder=3, color=COLORS["simulated"], label=label)
     tau_ax.scatter(list(x), [k + 1 for k in ks], marker="_", s=400, color="black", label="ceiling K+1")
     tau_ax.set_xticks(list(x), [f"K = {k}" for k in ks])
-    tau_ax.set(ylabel="τ (tokens per verify step)", title="Acceptance length")
+    tau_ax.set(ylabel="τ (tokens per verify step)", title=f"Acceptance length, all prompts ({engine})")
     tau_ax.legend(fontsize=8)
+    _plot_sets(set_ax, report, int(k_max))
     _save(fig, output)
+
+
+def _plot_sets(ax, report: dict, k: int) -> None:
+    """τ per prompt set at K (EAGLE-3, n-gram where measured), labelled with the set's size."""
+    rows = [r for r in report.get("per_set") or [] if r["draft_tokens"] == k and r["method"] in ("eagle3", "ngram")]
+    sets = list(dict.fromkeys(r["prompt_set"] for r in rows))
+    temperatures = sorted({r["temperature"] for r in rows})
+    series = [(m, t) for m in ("eagle3", "ngram") for t in temperatures if any(r["method"] == m for r in rows)]
+    width = 0.8 / max(len(series), 1)
+    for j, (method, t) in enumerate(series):
+        taus = [next((r["acceptance_length"] for r in rows if r["prompt_set"] == s and r["method"] == method
+                      and r["temperature"] == t), 0.0) for s in sets]  # fmt: skip
+        label = ("EAGLE-3" if method == "eagle3" else "n-gram") + (f", T = {t:g}" if len(temperatures) > 1 else "")
+        rects = ax.bar([i - 0.4 + width * (j + 0.5) for i in range(len(sets))], taus, width,
+                       color=COLORS[method], alpha=1.0 - 0.35 * temperatures.index(t), label=label)  # fmt: skip
+        ax.bar_label(rects, labels=[f"{v:.2f}" for v in taus], fontsize=7)
+    counts = {name: info.get("requests") for name, info in (report.get("prompt_sets") or {}).items()}
+    ax.set_xticks(range(len(sets)), [f"{s}\n({counts.get(s)} req.)" for s in sets], fontsize=8)
+    ax.axhline(k + 1, color="black", lw=0.8, ls=":", label="ceiling K+1")
+    ax.set(ylabel="τ (tokens per verify step)", title=f"Acceptance length per prompt set, K = {k}")
+    ax.legend(fontsize=8)
 
 
 # ---------------------------------------------------------------- CLI

@@ -11,8 +11,9 @@
 3. both saved in Hugging Face format, loadable offline with `AutoModelForCausalLM` /
    `AutoTokenizer`, plus `build_log.json` (settings, corpus digests, loss curve).
 
-The build is deterministic: fixed seeds and deterministic CPU kernels give the same bytes on
-every run on the same machine.
+The build is deterministic: fixed seeds, deterministic CPU kernels and one compute thread
+(whatever `--threads` says; the rule declares 1) give the same bytes on every run on the
+same machine.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from draftflow.errors import DraftflowError
-from draftflow.jsonl import fsync_dir, read_json, read_jsonl, write_json
+from draftflow.jsonl import file_mode, fsync_dir, read_json, read_jsonl, write_json
+from draftflow.progress import Progress
+from draftflow.threads import torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ LLAMA3_SPLIT_PATTERN = (
 )
 MAX_POSITION_EMBEDDINGS = 2048
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+BUILD_THREADS = 1  # the build's compute threads: bit-identical weights for any job size
 
 
 # ---- settings -----------------------------------------------------------------------------
@@ -446,7 +450,7 @@ def train_model(model, stream, settings: BuiltinSettings) -> list[float]:
         optimizer, lambda step: cosine_lr(step, settings.train_steps, warmup)
     )
     losses: list[float] = []
-    started = time.monotonic()
+    progress = Progress(settings.train_steps, "steps", every_s=15.0, logger=log)
     model.train()
     for step in range(settings.train_steps):
         starts = torch.randint(0, stream.numel() - seq_len, (settings.train_batch_size,), generator=generator)
@@ -458,13 +462,7 @@ def train_model(model, stream, settings: BuiltinSettings) -> list[float]:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(round(loss.item(), 6))
-        if (step + 1) % 50 == 0 or step + 1 == settings.train_steps:
-            elapsed = time.monotonic() - started
-            eta = elapsed / (step + 1) * (settings.train_steps - step - 1)
-            log.info(
-                "train step %d/%d loss %.4f (%.1f steps/s, ETA %.0fs)",
-                step + 1, settings.train_steps, losses[-1], (step + 1) / elapsed, eta,
-            )
+        progress.update(step + 1, extra=f"loss {losses[-1]:.4f}")
     model.eval()
     return losses
 
@@ -496,10 +494,14 @@ def build_target(settings: BuiltinSettings, output: str | Path) -> BuildReport:
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        torch.manual_seed(settings.seed)
-        config = make_model_config(settings, tokenizer)
-        model = LlamaForCausalLM(config)
-        losses = train_model(model, stream, settings)
+        # One thread, whatever the job has: CPU kernels split elementwise work into one
+        # chunk per thread, and a chunk's vectorized body and scalar tail round differently,
+        # so the weights would depend on the thread count (draftflow/threads.py).
+        with torch_threads(BUILD_THREADS):
+            torch.manual_seed(settings.seed)
+            config = make_model_config(settings, tokenizer)
+            model = LlamaForCausalLM(config)
+            losses = train_model(model, stream, settings)
     finally:
         torch.use_deterministic_algorithms(deterministic)
     model.generation_config = GenerationConfig(
@@ -516,6 +518,9 @@ def build_target(settings: BuiltinSettings, output: str | Path) -> BuildReport:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         make_tokenizer_config_portable(tmp)
+        for file in tmp.iterdir():  # safetensors writes 0600
+            if file.is_file():
+                file.chmod(file_mode())
         write_json(
             tmp / "build_log.json",
             {
@@ -612,22 +617,78 @@ def load_target(
     return model.to(resolve_device(device)).eval(), tokenizer
 
 
+# Files besides weights that define a target (identity): configs, tokenizer, remote code.
+IDENTITY_CONFIG_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+_SAMPLE_BYTES = 1 << 16  # weight bytes hashed at each of a few fixed places per file
+
+
+def _weight_fingerprint(path: Path) -> list:
+    """[name, size, sha256 of the safetensors header (tensor names, dtypes, shapes, offsets) and of
+    64 KiB of data at its start, middle and end]: a few reads, never the whole file, yet a
+    fine-tuned checkpoint of the same shapes (same header and size) differs in the sampled bytes."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        data_start = 0
+        if path.name.endswith(".safetensors"):
+            prefix = f.read(8)
+            header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+            if 8 + header_len > size:
+                raise DraftflowError(f"{path}: not a safetensors file (header length {header_len}, file {size} bytes)")
+            h.update(prefix + f.read(header_len))
+            data_start = 8 + header_len
+        span = size - data_start
+        for offset in sorted({data_start, data_start + max(0, span // 2 - _SAMPLE_BYTES // 2), max(data_start, size - _SAMPLE_BYTES)}):
+            f.seek(offset)
+            h.update(f.read(_SAMPLE_BYTES))
+    return [path.name, size, h.hexdigest()]
+
+
+def tokenizer_files(path: str | Path) -> list[Path]:
+    """The tokenizer files of a model or tokenizer folder (plus *.tiktoken and remote-code *.py)."""
+    path = Path(path)
+    return sorted(
+        p for p in path.iterdir()
+        if p.is_file() and (p.name in TOKENIZER_FILES or p.name.endswith((".tiktoken", ".py")))
+    )  # fmt: skip
+
+
+def tokenizer_identity(path: str | Path) -> str:
+    """A stable id of a tokenizer folder's content (its tokenizer files), whatever its path."""
+    files = {p.name: _sha256_file(p) for p in tokenizer_files(path)}
+    if not files:
+        raise DraftflowError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config.json …)")
+    return "tokenizer@" + hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def target_identity(path: str | Path) -> str:
-    """A short stable id of a target: resolved path + sha256(config.json) + weight file names
-    and sizes. Weights are never hashed (Kimi's are ~1 TB); same path, config and sizes are
-    taken to mean the same model."""
-    path = Path(path).resolve()
+    """A stable id of a target model by content, not by path: a moved or copied model is the same target.
+
+    Hashes config.json (+ generation_config.json), the tokenizer files and remote code, the
+    weight index files, and per weight file its name, size and `_weight_fingerprint` (header
+    and sampled bytes: milliseconds for Kimi's ~1 TB). `<model_type>@<16 hex>`.
+    """
+    path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise DraftflowError(f"{path}: no config.json; cannot identify the target model")
-    weights = sorted(
-        [p.name, p.stat().st_size]
-        for p in path.iterdir()
-        if p.is_file() and (p.name.endswith(WEIGHT_SUFFIXES) or p.name.endswith(".index.json"))
-    )
-    description = {"path": str(path), "config_sha256": _sha256_file(config_file), "weights": weights}
+    files = sorted(p for p in path.iterdir() if p.is_file())
+    description = {
+        "configs": {p.name: _sha256_file(p) for p in files if p.name in IDENTITY_CONFIG_FILES},
+        "tokenizer": {p.name: _sha256_file(p) for p in tokenizer_files(path)},
+        "indexes": {p.name: _sha256_file(p) for p in files if p.name.endswith(".index.json")},
+        "weights": [_weight_fingerprint(p) for p in files if p.name.endswith(WEIGHT_SUFFIXES)],
+    }
     digest = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
-    return f"{path.name}@{digest[:16]}"
+    try:
+        model_type = str(read_json(config_file).get("model_type") or "model")
+    except ValueError:
+        raise DraftflowError(f"{config_file}: not valid JSON") from None
+    return f"{''.join(c for c in model_type if c.isalnum() or c in '_-') or 'model'}@{digest[:16]}"
 
 
 # ---- CLI ---------------------------------------------------------------------------------

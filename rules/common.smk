@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
@@ -9,13 +10,21 @@ from snakemake.exceptions import WorkflowError
 from draftflow.errors import DraftflowError
 from draftflow.config import (
     ConfigError,
+    check_config_files,
+    coerce_overrides,
     default_aux_layer_ids,
     enabled_datasets,
+    split_settings,
     validate_config,
 )
 
 try:
-    config.update(validate_config(config))
+    # A target written after --configfile is read as a config file: say so.
+    check_config_files(workflow.config_settings.configfiles)
+    # --config reads nested values as strings ('{learning_rate: 0.001}'): coerce by the schema.
+    config.update(
+        validate_config(coerce_overrides(config, workflow.config_settings.config))
+    )
 except ConfigError as e:
     raise WorkflowError(str(e)) from None
 
@@ -24,7 +33,10 @@ except ConfigError as e:
 # this checkout and the first python3 on PATH: the interpreter running Snakemake (so an
 # un-activated virtualenv works), or the rule's env under --sdm conda.
 def _prepend(var: str, *paths: str) -> None:
-    os.environ[var] = os.pathsep.join([*paths, *filter(None, [os.environ.get(var)])])
+    # Once only: the Snakefile may be parsed again in the same process (tests, the API).
+    current = [p for p in os.environ.get(var, "").split(os.pathsep) if p]
+    if current[: len(paths)] != list(paths):
+        os.environ[var] = os.pathsep.join([*paths, *current])
 
 
 _prepend("PATH", f"{workflow.basedir}/scripts/bin", os.path.dirname(sys.executable))
@@ -35,6 +47,7 @@ RESULTS = config["results"]
 LOGS = f"{RESULTS}/logs"
 BENCH = f"{RESULTS}/benchmarks"
 STATE = f"{RESULTS}/state"
+SUMMARY_PAGE = f"{RESULTS}/report/summary.rst"
 BUILTIN_TARGET = "builtin:tiny-llama"
 
 
@@ -49,6 +62,32 @@ wildcard_constraints:
 def as_settings(value) -> str:
     """A config subtree as the JSON a stage reads; params compare by repr, so keep it canonical."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+class Operational:
+    """A param the job receives but whose change never reruns it. Snakemake's params trigger
+    compares the repr of builtin-typed values (str, dict, …) and skips any other object, so
+    operational settings (draftflow.config.OPERATIONAL_KEYS: how a stage runs, not what it
+    writes) and paths whose content is tracked otherwise (the target folder, by its identity)
+    travel in this wrapper. In a shell command it formats as its JSON (or the plain string).
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __str__(self) -> str:
+        return self.value if isinstance(self.value, str) else as_settings(self.value)
+
+    def __repr__(self) -> str:
+        return f"Operational({self.value!r})"
+
+
+def content_and_runtime(section: str, values: dict) -> tuple[dict, Operational]:
+    """A config section split into the params that rerun a rule and those that do not."""
+    content, operational = split_settings(section, values)
+    return content, Operational(operational)
 
 
 def existing(path) -> list:
@@ -70,14 +109,17 @@ def tokenizer_dir() -> str:
 
 
 def target_input() -> list:
+    """The builtin target is built by a rule: an input. A model folder given in the config is
+    not declared at all: its content identity (a param) reruns what depends on it, so a moved
+    or copied model reruns nothing."""
     if config["target"]["model"] == BUILTIN_TARGET:
         return [f"{RESULTS}/target"]
-    return existing(config["target"]["model"])
+    return []
 
 
 def tokenizer_input() -> list:
     if config["target"]["tokenizer"]:
-        return existing(config["target"]["tokenizer"])
+        return []
     return target_input()
 
 
@@ -128,11 +170,33 @@ def tokenized_shards() -> dict[str, list[str]]:
     }
 
 
+def rejects_files() -> dict[str, list[str]]:
+    """Prepare's rejects files per dataset (merge counts them into the manifest)."""
+    return {
+        name: [
+            f"{RESULTS}/datasets/{name}/shard-{i}.rejects.jsonl"
+            for i in shard_ids(name)
+        ]
+        for name in DATASETS
+    }
+
+
+def servers_settings() -> dict:
+    """The part of config `regenerate` the server preflight checks (draftflow.engines.servers)."""
+    regenerate = config["regenerate"]
+    if regenerate["engine"] != "openai":
+        return {"engine": regenerate["engine"]}  # nothing to check
+    openai = {k: regenerate["openai"][k] for k in ("endpoints", "model", "api_key_env")}
+    return {"engine": regenerate["engine"], "openai": openai}
+
+
 def merge_input_args(wildcards, input) -> str:
-    """`--input NAME=FILE` pairs, in config order and shard order."""
+    """`--input NAME=FILE` and `--rejects NAME=FILE` pairs, in config order and shard order."""
     pairs = []
     for name, files in tokenized_shards().items():
         pairs += [f"--input {name}={file}" for file in files]
+    for name, files in rejects_files().items():
+        pairs += [f"--rejects {name}={file}" for file in files]
     return " ".join(pairs)
 
 
@@ -175,17 +239,37 @@ def range_of(wildcards) -> dict:
     )
 
 
+@lru_cache(maxsize=None)
+def _content_identity(kind: str, path: str) -> str:
+    """Cached per Snakemake process: a few small reads per call, but params ask per job."""
+    from draftflow.target import target_identity as model_identity, tokenizer_identity
+
+    return (model_identity if kind == "model" else tokenizer_identity)(path)
+
+
 def target_identity() -> str:
-    """Identity of the target as the capture settings see it (path + config, not weights).
-    The builtin target is defined by its build settings, known before it is built."""
+    """The target as the params of the rules reading it see it: by content, not path (config,
+    tokenizer, weight headers and sampled bytes; draftflow.target.target_identity). The builtin
+    target is defined by its build settings, known before it is built."""
     if config["target"]["model"] == BUILTIN_TARGET:
         return f"{BUILTIN_TARGET}:{as_settings(config['target']['builtin'])}"
     path = Path(target_dir())
     if not (path / "config.json").exists():
         return f"absent:{path}"  # dry-run of a config whose model is not there yet
-    from draftflow.target import target_identity as identity
+    return _content_identity("model", str(path.resolve()))
 
-    return identity(path)
+
+def tokenizer_identity() -> str:
+    """What tokenization depends on: the tokenizer files only (new weights do not re-tokenize)."""
+    if (
+        not config["target"]["tokenizer"]
+        and config["target"]["model"] == BUILTIN_TARGET
+    ):
+        return target_identity()
+    path = Path(tokenizer_dir())
+    if not path.is_dir():
+        return f"absent:{path}"
+    return _content_identity("tokenizer", str(path.resolve()))
 
 
 def num_target_layers():
@@ -202,14 +286,21 @@ def num_target_layers():
 
 
 def extract_settings(wildcards) -> str:
-    """Everything a range's captures depend on, plus the range's own content digest:
-    a range is stale exactly when one of these changes."""
-    settings = dict(config["extract"])
+    """What a range's stored samples depend on (draftflow.config.split_settings: engine,
+    layers, dtype, the engine's numerics keys), plus the range's own content digest: a range
+    is stale exactly when one of these, or the target identity (its own param), changes.
+    """
+    settings, _ = split_settings("extract", config["extract"])
     settings["aux_layer_ids"] = resolved_aux_layer_ids()
-    settings["trust_remote_code"] = config["target"]["trust_remote_code"]
-    settings["target_identity"] = target_identity()
     settings["range_digest"] = range_of(wildcards)["digest"]
     return as_settings(settings)
+
+
+def extract_runtime() -> Operational:
+    """How extraction runs (batching, threads, device, disk margin …): never reruns a range."""
+    _, runtime = content_and_runtime("extract", config["extract"])
+    runtime.value["trust_remote_code"] = config["target"]["trust_remote_code"]
+    return runtime
 
 
 def final_outputs() -> list:
@@ -220,6 +311,7 @@ def final_outputs() -> list:
         f"{RESULTS}/drafter",
         f"{RESULTS}/eval/acceptance.json",
         f"{RESULTS}/export/export.json",
+        SUMMARY_PAGE,
         *(
             f"{RESULTS}/plots/{kind}.png"
             for kind in ("lengths", "storage", "training", "acceptance")
@@ -242,7 +334,43 @@ def resolved_aux_layer_ids():
 
 
 def train_settings() -> dict:
-    return {**config["train"], "aux_layer_ids": resolved_aux_layer_ids()}
+    """What the drafter depends on; the operational rest goes through `train_runtime`."""
+    content, _ = split_settings("train", config["train"])
+    return {**content, "aux_layer_ids": resolved_aux_layer_ids()}
+
+
+def train_runtime() -> Operational:
+    return content_and_runtime("train", config["train"])[1]
+
+
+# ---- CPU threads per job (Snakemake clamps them to --cores; `draftflow --threads` applies them) ----
+
+
+def regenerate_threads() -> int:
+    """In-process HF generation computes on CPU threads; an OpenAI-compatible server does not."""
+    return 4 if config["regenerate"]["engine"] == "hf" else 1
+
+
+def extract_threads() -> int:
+    """The writer pool (encoding, zstd, fsync) plus the capture loop."""
+    return config["extract"]["writer_threads"] + 1
+
+
+def evaluate_threads() -> int:
+    """The HF engine decodes on CPU threads, and so do the servers the stage launches (which
+    inherit the job's thread variables); against a running endpoint it only sends requests.
+    """
+    return 4 if evaluate_engine() == "hf" or evaluate_launches() else 1
+
+
+def train_threads() -> int:
+    """Per node. GPUs: each process drives its GPU from one thread, with train.num_workers
+    DataLoader workers beside it. CPU: one process whose torch pool takes what is left.
+    """
+    workers = config["train"]["num_workers"]
+    if config["train"]["gpus"]:
+        return config["train"]["gpus"] * (1 + workers)
+    return 8 + workers
 
 
 def train_resources() -> dict:
@@ -253,3 +381,43 @@ def train_resources() -> dict:
         return {"gpu": gpus}
     resources = {"nodes": nodes, "tasks": nodes, "mpi": "srun", "tasks_per_gpu": 0}
     return {**resources, "gres": f"gpu:{gpus}"} if gpus else resources
+
+
+# ---- evaluate ------------------------------------------------------------------------
+
+
+def evaluate_engine() -> str:
+    return config["evaluate"]["engine"]
+
+
+def evaluate_launches() -> bool:
+    """A served engine without a running endpoint: the stage starts servers on the GPUs."""
+    return evaluate_engine() != "hf" and not config["evaluate"]["server"]["endpoint"]
+
+
+def evaluate_settings() -> dict:
+    """config `evaluate` + what it reads elsewhere; the hf engine ignores `server`."""
+    engine = evaluate_engine()
+    settings = {**config["evaluate"], "aux_layer_ids": resolved_aux_layer_ids()}
+    settings["trust_remote_code"] = config["target"]["trust_remote_code"]
+    if engine == "hf":
+        settings.pop("server")
+    else:  # the exported drafter is written for this release (its aux ids depend on it)
+        settings["engine_version"] = config["export"][f"{engine}_version"]
+    return settings
+
+
+def evaluate_served() -> list:
+    """The exported drafter a launched engine loads (none for hf or a running endpoint)."""
+    return [f"{RESULTS}/export/{evaluate_engine()}"] if evaluate_launches() else []
+
+
+def evaluate_prompt_files() -> list:
+    sets = config["evaluate"]["prompt_sets"].values()
+    return [f for s in sets if s["path"] for f in existing(s["path"])]
+
+
+def evaluate_gpus() -> int:
+    if evaluate_engine() == "hf":
+        return min(1, config["extract"]["gpus_per_job"])
+    return config["evaluate"]["server"]["tensor_parallel"] if evaluate_launches() else 0

@@ -14,13 +14,16 @@ rule prepare:
     params:
         settings=lambda w: as_settings(prepare_settings(w.dataset)),
     shell:
-        "draftflow prepare --dataset {wildcards.dataset} --shard {wildcards.shard}"
+        "draftflow --threads {threads} prepare --dataset {wildcards.dataset} --shard {wildcards.shard}"
         " --settings {params.settings:q} --output {output.shard} --rejects {output.rejects}"
         " > {log} 2>&1"
 
 
 # Before any regeneration job: the configured servers answer and serve the right model.
-rule preflight_servers:
+# A checkpoint, so that regenerate jobs (linked to it by an ancient() input only) are
+# re-checked after it reran: Snakemake 9.27 does not check a job's own params in the pass
+# where an upstream job reruns, and a changed regenerate setting would go unnoticed.
+checkpoint preflight_servers:
     output:
         f"{RESULTS}/regenerated/preflight.json",
     log:
@@ -28,10 +31,11 @@ rule preflight_servers:
     conda:
         CONDA_ENV
     params:
-        settings=as_settings({"regenerate": config["regenerate"]}),
+        # what the server checks read: engine, endpoints, served model, API key variable
+        settings=as_settings({"regenerate": servers_settings()}),
         path=lambda w, output: os.path.dirname(output[0]),
     shell:
-        "draftflow preflight --path {params.path} --settings {params.settings:q}"
+        "draftflow --threads {threads} preflight --path {params.path} --settings {params.settings:q}"
         " --output {output} > {log} 2>&1"
 
 
@@ -49,19 +53,21 @@ rule regenerate:
         f"{BENCH}/regenerate/{{dataset}}/shard-{{shard}}.tsv"
     conda:
         CONDA_ENV
-    threads: 4
+    threads: regenerate_threads()
     params:
         settings=as_settings(
             {
-                **config["regenerate"],
+                **split_settings("regenerate", config["regenerate"])[0],
                 "trust_remote_code": config["target"]["trust_remote_code"],
             }
         ),
-        target=lambda w: target_dir(),
+        runtime=content_and_runtime("regenerate", config["regenerate"])[1],
+        target_identity=lambda w: target_identity(),
+        target=lambda w: Operational(target_dir()),
         state=f"{STATE}/regenerate",
     shell:
-        "draftflow regenerate --dataset {wildcards.dataset} --input {input.shard}"
-        " --target {params.target} --settings {params.settings:q}"
+        "draftflow --threads {threads} regenerate --dataset {wildcards.dataset} --input {input.shard}"
+        " --target {params.target} --settings {params.settings:q} --runtime {params.runtime:q}"
         " --state-dir {params.state} --output {output} > {log} 2>&1"
 
 
@@ -76,13 +82,16 @@ rule tokenize:
     conda:
         CONDA_ENV
     params:
+        # max_seq_len bounds the work per record (merge keeps no more tokens than that)
         settings=as_settings(
             {
                 **config["tokenize"],
                 "trust_remote_code": config["target"]["trust_remote_code"],
+                "max_seq_len": config["merge"]["max_seq_len"],
             }
         ),
-        tokenizer=lambda w: tokenizer_dir(),
+        tokenizer_identity=lambda w: tokenizer_identity(),
+        tokenizer=lambda w: Operational(tokenizer_dir()),
     shell:
-        "draftflow tokenize --input {input.shard} --tokenizer {params.tokenizer}"
+        "draftflow --threads {threads} tokenize --input {input.shard} --tokenizer {params.tokenizer}"
         " --settings {params.settings:q} --output {output} > {log} 2>&1"

@@ -4,31 +4,38 @@
 rule evaluate:
     input:
         drafter=f"{RESULTS}/drafter",
-        eval_ranges=lambda w: range_dirs("eval"),
+        # simulated τ reads the eval split's hidden states with the target in-process: hf only
+        eval_ranges=lambda w: range_dirs("eval") if evaluate_engine() == "hf" else [],
         eval_data=f"{RESULTS}/merged/eval.jsonl",
         target=target_input(),
+        prompt_files=evaluate_prompt_files(),
+        served=evaluate_served(),
     output:
         json=f"{RESULTS}/eval/acceptance.json",
         csv=f"{RESULTS}/eval/acceptance.csv",
+        outputs=f"{RESULTS}/eval/outputs.jsonl",
     log:
         f"{LOGS}/evaluate.log",
     benchmark:
         f"{BENCH}/evaluate.tsv"
     conda:
         CONDA_ENV
-    threads: 4
+    threads: evaluate_threads()
     resources:
-        gpu=min(1, config["extract"]["gpus_per_job"]),
+        gpu=evaluate_gpus(),
     params:
-        settings=lambda w: as_settings(
-            {**config["evaluate"], "aux_layer_ids": resolved_aux_layer_ids()}
-        ),
-        target=lambda w: target_dir(),
+        settings=lambda w: as_settings(split_settings("evaluate", evaluate_settings())[0]),
+        runtime=lambda w: Operational(split_settings("evaluate", evaluate_settings())[1]),
+        target_identity=lambda w: target_identity(),
+        target=lambda w: Operational(target_dir()),
         out_dir=lambda w, output: os.path.dirname(output.json),
+        state=f"{STATE}/evaluate",
+        served=" ".join(f"--served-drafter {d}" for d in evaluate_served()),
     shell:
-        "draftflow evaluate --drafter {input.drafter} --target {params.target}"
-        " --eval-ranges {input.eval_ranges} --eval-data {input.eval_data}"
-        " --settings {params.settings:q} --output-dir {params.out_dir} > {log} 2>&1"
+        "draftflow --threads {threads} evaluate --drafter {input.drafter} --target {params.target}"
+        " --eval-ranges {input.eval_ranges} --eval-data {input.eval_data} {params.served}"
+        " --settings {params.settings:q} --runtime {params.runtime:q} --output-dir {params.out_dir}"
+        " --state-dir {params.state} > {log} 2>&1"
 
 
 rule export:
@@ -47,10 +54,11 @@ rule export:
         settings=lambda w: as_settings(
             {**config["export"], "aux_layer_ids": resolved_aux_layer_ids()}
         ),
-        target=lambda w: target_dir(),
+        target_identity=lambda w: target_identity(),
+        target=lambda w: Operational(target_dir()),
         out_dir=lambda w, output: os.path.dirname(output.summary),
     shell:
-        "draftflow export --drafter {input.drafter} --target {params.target}"
+        "draftflow --threads {threads} export --drafter {input.drafter} --target {params.target}"
         " --settings {params.settings:q} --output-dir {params.out_dir} > {log} 2>&1"
 
 
@@ -70,7 +78,7 @@ rule plot_lengths:
     conda:
         CONDA_ENV
     shell:
-        "draftflow plot --kind lengths --train-data {input.train} --eval-data {input.eval}"
+        "draftflow --threads {threads} plot --kind lengths --train-data {input.train} --eval-data {input.eval}"
         " --manifest {input.manifest} --output {output} > {log} 2>&1"
 
 
@@ -89,7 +97,7 @@ rule plot_storage:
     conda:
         CONDA_ENV
     shell:
-        "draftflow plot --kind storage --plan {input.plan}"
+        "draftflow --threads {threads} plot --kind storage --plan {input.plan}"
         " --data-config {input.data_config} --output {output} > {log} 2>&1"
 
 
@@ -107,7 +115,7 @@ rule plot_training:
     conda:
         CONDA_ENV
     shell:
-        "draftflow plot --kind training --metrics {input.drafter}/metrics.jsonl"
+        "draftflow --threads {threads} plot --kind training --metrics {input.drafter}/metrics.jsonl"
         " --output {output} > {log} 2>&1"
 
 
@@ -125,5 +133,5 @@ rule plot_acceptance:
     conda:
         CONDA_ENV
     shell:
-        "draftflow plot --kind acceptance --acceptance {input.acceptance}"
+        "draftflow --threads {threads} plot --kind acceptance --acceptance {input.acceptance}"
         " --output {output} > {log} 2>&1"

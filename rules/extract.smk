@@ -21,7 +21,7 @@ checkpoint preflight:
         ),
         path=lambda w, output: os.path.dirname(output[0]),
     shell:
-        "draftflow preflight --plan {input.plan} --path {params.path}"
+        "draftflow --threads {threads} preflight --plan {input.plan} --path {params.path}"
         " --settings {params.settings:q} --output {output} > {log} 2>&1"
 
 
@@ -33,7 +33,10 @@ rule extract:
         # The checkpoint's first output: inside a cluster job, params that read the
         # merge manifest need it declared.
         merged=ancient(f"{RESULTS}/merged/train.jsonl"),
-        preflight=lambda w: ancient(checkpoints.preflight.get().output[0]),
+        # A plain path, not checkpoints.preflight.get(): an input that is a pending checkpoint
+        # target makes Snakemake 9.27 skip this job's params check in planning, so a changed
+        # engine or target would silently rerun nothing (pinned by tests/test_rerun_table.py).
+        preflight=ancient(f"{RESULTS}/hidden_states/preflight.json"),
         target=ancient(target_input()),
     output:
         directory(f"{RESULTS}/hidden_states/{{split}}/rows_{{start}}-{{end}}"),
@@ -43,18 +46,20 @@ rule extract:
         f"{BENCH}/extract/{{split}}/rows_{{start}}-{{end}}.tsv"
     conda:
         CONDA_ENV
-    threads: 8
+    threads: extract_threads()
     resources:
         gpu=config["extract"]["gpus_per_job"],
     params:
         settings=extract_settings,
-        target=lambda w: target_dir(),
+        runtime=lambda w: extract_runtime(),
+        target_identity=lambda w: target_identity(),
+        target=lambda w: Operational(target_dir()),
         store=f"{RESULTS}/hidden_states/store",
     shell:
-        "draftflow extract --input {input.records} --split {wildcards.split}"
+        "draftflow --threads {threads} extract --input {input.records} --split {wildcards.split}"
         " --start {wildcards.start} --end {wildcards.end} --target {params.target}"
-        " --store {params.store} --settings {params.settings:q} --output {output}"
-        " > {log} 2>&1"
+        " --store {params.store} --settings {params.settings:q} --runtime {params.runtime:q}"
+        " --output {output} > {log} 2>&1"
 
 
 rule summarize_hidden_states:
@@ -72,5 +77,5 @@ rule summarize_hidden_states:
         out_dir=lambda w, output: os.path.dirname(output.data_config),
         max_seq_len=config["merge"]["max_seq_len"],
     shell:
-        "draftflow summarize-hidden-states --ranges {input.train} {input.eval}"
+        "draftflow --threads {threads} summarize-hidden-states --ranges {input.train} {input.eval}"
         " --output-dir {params.out_dir} --max-seq-len {params.max_seq_len} > {log} 2>&1"

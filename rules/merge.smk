@@ -3,7 +3,8 @@
 
 checkpoint merge:
     input:
-        [file for files in tokenized_shards().values() for file in files],
+        shards=[file for files in tokenized_shards().values() for file in files],
+        rejects=[file for files in rejects_files().values() for file in files],
     output:
         train=f"{RESULTS}/merged/train.jsonl",
         eval=f"{RESULTS}/merged/eval.jsonl",
@@ -24,7 +25,7 @@ checkpoint merge:
         inputs=merge_input_args,
         out_dir=lambda w, output: os.path.dirname(output.manifest),
     shell:
-        "draftflow merge {params.inputs} --settings {params.settings:q}"
+        "draftflow --threads {threads} merge {params.inputs} --settings {params.settings:q}"
         " --out-dir {params.out_dir} > {log} 2>&1"
 
 
@@ -53,7 +54,8 @@ rule plan_storage:
                 "storage": config["extract"]["storage"],
             }
         ),
-        target=lambda w: target_dir(),
+        target_identity=lambda w: target_identity(),
+        target=lambda w: Operational(target_dir()),
     shell:
-        "draftflow plan-storage --manifest {input.manifest} --target {params.target}"
+        "draftflow --threads {threads} plan-storage --manifest {input.manifest} --target {params.target}"
         " --settings {params.settings:q} --output {output} > {log} 2>&1"

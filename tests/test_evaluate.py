@@ -185,15 +185,16 @@ def stage_inputs(tmp_path_factory):
     return tmp, range_dir, records
 
 
-def run_stage(tmp, range_dir, **overrides) -> int:
+def run_stage(tmp, range_dir, state_dir=None, **overrides) -> int:
     settings = {
         "draft_tokens": [3, 2], "max_prompts": 4, "max_new_tokens": 12, "prompts_file": str(tmp / "prompts.txt"),
         "ngram_max": 3, "device": "cpu", "aux_layer_ids": AUX, **overrides,
     }  # fmt: skip
+    state = ["--state-dir", str(state_dir)] if state_dir else []
     return cli_main([
         "evaluate", "--drafter", str(tmp / "drafter"), "--target", str(tmp / "target"),
         "--eval-ranges", str(range_dir), "--eval-data", str(tmp / "merged" / "eval.jsonl"),
-        "--settings", json.dumps(settings), "--output-dir", str(tmp / "eval"),
+        "--settings", json.dumps(settings), "--output-dir", str(tmp / "eval"), *state,
     ])  # fmt: skip
 
 
@@ -201,8 +202,9 @@ def test_evaluate_stage_writes_acceptance_json_and_csv(stage_inputs):
     tmp, range_dir, records = stage_inputs
     assert run_stage(tmp, range_dir) == 0
     report = json.loads((tmp / "eval" / "acceptance.json").read_text())
-    # prompts: both file lines, then eval records up to max_prompts
-    assert report["prompts"] == {"count": 4, "from_file": 2, "from_eval": 2}
+    # prompt sets: the prompts file (a set named `file`, first), then the eval split, max_prompts each
+    assert report["prompts"] == {"count": 5, "from_file": 2, "from_eval": 3}
+    assert set(report["prompt_sets"]) == {"file", "eval"}
     assert report["acceptance_length"] == report["eagle3"]["3"]["acceptance_length"]
     assert 1.0 <= report["acceptance_length_simulated"] <= 4.0
     assert report["simulated"]["draft_tokens"] == 3 and report["simulated"]["samples"] == len(records)
@@ -210,19 +212,116 @@ def test_evaluate_stage_writes_acceptance_json_and_csv(stage_inputs):
         for k in (2, 3):
             r = report[method][str(k)]
             assert 1.0 <= r["acceptance_length"] <= k + 1
-            assert len(r["alpha"]) == k and r["prompts"] == 4
-            assert r["matches_greedy"] == 4  # float32 here: no argmax ties on this model
+            assert len(r["alpha"]) == k and r["prompts"] == 5
+            assert r["matches_greedy"] == 5  # float32 here: no argmax ties on this model
             assert r["generated_tokens"] == report["greedy"]["generated_tokens"]
             assert r["speedup"] > 0
     assert report["settings"]["draft_tokens"] == [3, 2] and report["aux_layer_ids"] == AUX
+    # the per-set table adds up to the pooled figures
+    rows = [r for r in report["per_set"] if r["method"] == "eagle3" and r["draft_tokens"] == 3]
+    assert [r["prompt_set"] for r in rows] == ["file", "eval"]
+    steps = sum(r["verify_steps"] for r in rows)
+    assert steps == report["eagle3"]["3"]["verify_steps"]
+    assert sum(r["acceptance_length"] * r["verify_steps"] for r in rows) / steps == pytest.approx(
+        report["acceptance_length"], abs=1e-12)  # fmt: skip
     with open(tmp / "eval" / "acceptance.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [(r["method"], r["measured"], r["draft_tokens"]) for r in rows] == [
-        ("eagle3", "simulated", "3"), ("eagle3", "real", "2"), ("eagle3", "real", "3"),
-        ("ngram", "real", "2"), ("ngram", "real", "3"),
+    assert [(r["prompt_set"], r["method"], r["measured"], r["draft_tokens"]) for r in rows[:5]] == [
+        ("eval", "eagle3", "simulated", "3"), ("all", "eagle3", "real", "2"), ("all", "eagle3", "real", "3"),
+        ("all", "ngram", "real", "2"), ("all", "ngram", "real", "3"),
     ]  # fmt: skip
     assert float(rows[2]["acceptance_length"]) == pytest.approx(report["acceptance_length"], abs=1e-4)
     assert rows[1]["alpha_3"] == "" and rows[2]["alpha_3"] != ""
+    assert {(r["prompt_set"], r["method"]) for r in rows[5:]} == {
+        (s, m) for s in ("file", "eval") for m in ("baseline", "eagle3", "ngram")}  # fmt: skip
+
+
+def recount(outputs: list[dict], prompt_set: str, method: str, k: int) -> tuple[float, list[float], int]:
+    """τ, α and verify steps counted by hand from the decoded outputs: tokens emitted by verify
+    steps (all but the prefill's first) per verify step; α_i over steps that reached draft i."""
+    mine = [o for o in outputs if o["prompt_set"] == prompt_set and o["method"] == method and o["draft_tokens"] == k]
+    steps = sum(len(o["accepted"]) for o in mine)
+    emitted = sum(len(o["tokens"]) - 1 for o in mine)
+    reached, accepted = [0] * k, [0] * k
+    for o in mine:
+        for p, a in zip(o["proposed"], o["accepted"]):
+            for i in range(min(p, a + 1)):
+                reached[i] += 1
+                accepted[i] += i < a
+    return emitted / steps, [a / r if r else 0.0 for a, r in zip(accepted, reached)], steps
+
+
+def check_against_outputs(report: dict, outputs: list[dict]) -> int:
+    """Every eagle3 / n-gram row of the per-set table equals a recount from outputs.jsonl, and
+    every decoded output equals the greedy reference of the same request."""
+    checked = 0
+    for row in report["per_set"]:
+        if row["method"] in ("eagle3", "ngram"):
+            tau, alpha, steps = recount(outputs, row["prompt_set"], row["method"], row["draft_tokens"])
+            assert row["verify_steps"] == steps
+            assert row["acceptance_length"] == pytest.approx(tau, abs=1e-12)
+            assert row["alpha"] == pytest.approx(alpha, abs=1e-12)
+            checked += 1
+    greedy = {(o["prompt_set"], o["source"], o["turn"]): o["tokens"] for o in outputs if o["method"] == "greedy"}
+    for o in outputs:
+        if o["method"] != "greedy":
+            assert o["tokens"] == greedy[(o["prompt_set"], o["source"], o["turn"])]
+            assert sum(o["accepted"]) + len(o["accepted"]) == len(o["tokens"]) - 1
+    return checked
+
+
+def test_per_set_table_recounts_from_decoded_outputs_and_resumes_per_set(stage_inputs, tmp_path):
+    """Benchmark sets (HumanEval from the package, MT-bench with both turns, GSM8K few-shot, any
+    JSONL): the per-set τ equals a recount from outputs.jsonl, and a rerun with the same state
+    folder measures nothing again (one set's state removed: only that set is measured)."""
+    tmp, range_dir, _ = stage_inputs
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": 81 + i, "category": "writing", "turns": [a, b]}) + "\n"
+                                 for i, (a, b) in enumerate([("Write a haiku.", "Now make it rhyme."),
+                                                             ("Name a city.", "Why that one?")])))  # fmt: skip
+    gsm = tmp_path / "gsm8k.jsonl"
+    gsm.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}. #### {2 * i}"})
+                           + "\n" for i in range(4)))  # fmt: skip
+    anything = tmp_path / "mine.jsonl"
+    anything.write_text(json.dumps({"text": "Hello"}) + "\n" + json.dumps(
+        {"text": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}) + "\n")  # fmt: skip
+    sets = {
+        "eval": {"kind": "eval", "max_prompts": 2},
+        "humaneval": {"kind": "humaneval", "max_prompts": 2},
+        "mtbench": {"kind": "mtbench", "path": str(questions), "turns": 2},
+        "gsm8k": {"kind": "gsm8k", "path": str(gsm), "few_shot": 2},
+        "mine": {"kind": "jsonl", "path": str(anything), "field": "text"},
+    }
+    state = tmp_path / "state"
+    assert run_stage(tmp, range_dir, state, prompts_file=None, prompt_sets=sets, draft_tokens=[2]) == 0
+    report = json.loads((tmp / "eval" / "acceptance.json").read_text())
+    outputs = [json.loads(line) for line in (tmp / "eval" / "outputs.jsonl").read_text().splitlines()]
+    assert report["prompt_sets"]["mtbench"] == {"kind": "mtbench", "prompts": 2, "requests": 4, "skipped_too_long": 0}
+    assert report["prompt_sets"]["gsm8k"]["prompts"] == 2  # 4 records, 2 used as shots
+    assert report["prompt_sets"]["humaneval"]["prompts"] == 2
+    assert {o["turn"] for o in outputs if o["prompt_set"] == "mtbench"} == {1, 2}
+    assert check_against_outputs(report, outputs) == 2 * len(sets)
+    assert [o["source"] for o in outputs if o["prompt_set"] == "humaneval" and o["method"] == "greedy"] == [
+        "humaneval:HumanEval/0", "humaneval:HumanEval/1"]  # fmt: skip
+
+    files = sorted(state.rglob("*.json"))
+    assert len(files) == len(sets)
+    mtimes = {f: f.stat().st_mtime_ns for f in files}
+    gsm_state = next(f for f in files if f.name.startswith("gsm8k."))
+    gsm_state.unlink()
+    (tmp / "eval" / "acceptance.json").unlink()
+    assert run_stage(tmp, range_dir, state, prompts_file=None, prompt_sets=sets, draft_tokens=[2]) == 0
+    assert {f: f.stat().st_mtime_ns for f in files if f != gsm_state} == {f: t for f, t in mtimes.items() if f != gsm_state}
+    again = json.loads((tmp / "eval" / "acceptance.json").read_text())
+    kept = [r for r in again["per_set"] if r["prompt_set"] != "gsm8k"]
+    assert kept == [r for r in report["per_set"] if r["prompt_set"] != "gsm8k"]  # reloaded, not re-measured
+    assert gsm_state.is_file()
+
+
+def test_evaluate_refuses_temperatures_the_hf_engine_cannot_decode(stage_inputs, capsys):
+    tmp, range_dir, _ = stage_inputs
+    assert run_stage(tmp, range_dir, temperatures=[0.0, 1.0]) == 1
+    assert "the hf engine decodes greedily" in capsys.readouterr().err
 
 
 def test_evaluate_refuses_a_drafter_trained_on_other_layers(stage_inputs, capsys):
@@ -302,3 +401,31 @@ def test_plot_reports_missing_inputs(tmp_path):
 
     with pytest.raises(DraftflowError, match="--plan --data-config"):
         plot_cli(kind="storage", output=tmp_path / "x.png")
+
+
+def test_simulated_acceptance_reads_are_checked(tmp_path):
+    """A damaged or missing eval sample stops evaluation naming range, sample and key, or under
+    on_bad_sample: skip is left out and counted (no sample here is readable: no model runs)."""
+    from draftflow.errors import DraftflowError
+    from draftflow.hidden_states.storage import HiddenStateReader, SampleStore
+    from test_storage import build_ranges
+
+    hs, samples = build_ranges(tmp_path)
+    store = SampleStore(hs / "store")
+    for _, key, *_ in samples[:3]:
+        data = bytearray(store.get(key))
+        data[-2] ^= 0x08
+        store.path(key).write_bytes(bytes(data))
+    for _, key, *_ in samples[3:]:
+        store.delete(key)
+    reader = HiddenStateReader([hs / "train" / "rows_0-3", hs / "train" / "rows_3-5"])
+    with pytest.raises(DraftflowError, match="have no store file") as err:  # stat before any read
+        simulate(None, None, reader, K)
+    assert f"{hs / 'train' / 'rows_3-5'}: sample {samples[3][0]}" in str(err.value)
+    first = HiddenStateReader([hs / "train" / "rows_0-3"])
+    with pytest.raises(DraftflowError) as err:
+        simulate(None, None, first, K)
+    assert samples[0][0] in str(err.value) and samples[0][1] in str(err.value) and "--repair" in str(err.value)
+    result = simulate(None, None, reader, K, on_bad_sample="skip").as_json()
+    assert result["samples"] == 0 and result["skipped_samples"] == 5
+    assert {s["sample_id"] for s in result["skipped"]} == {s[0] for s in samples}

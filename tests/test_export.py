@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -359,16 +361,17 @@ def test_the_default_export_targets_the_schema_default_releases():
 # ---------------------------------------------------------------- launch commands
 
 
-def run_launch(script, tmp_path, program: str) -> list[str]:
+def run_launch(script, tmp_path, program: str, *args: str, **env_vars: str) -> list[str]:
     """Run launch.sh with a stub `program` on PATH that records its argv."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     record = tmp_path / f"{program}.argv.json"
     stub = bin_dir / program
-    stub.write_text(f'#!/usr/bin/env python3\nimport json, sys\njson.dump(sys.argv[1:], open("{record}", "w"))\n')
+    stub.write_text(f'#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open("{record}", "w"))\n')
     stub.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
-    subprocess.run(["bash", str(script), "--port", "30000"], check=True, env=env, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k not in ("TARGET", "DRAFTER", "PYTHON")}
+    env.update(env_vars, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    subprocess.run(["bash", str(script), *args, "--port", "30000"], check=True, env=env, timeout=60)
     return json.loads(record.read_text())
 
 
@@ -376,7 +379,7 @@ def test_launch_scripts_run_the_exact_server_commands(saved, tmp_path):
     export(saved, "out", num_speculative_tokens=4)
     target = str((saved / "target").resolve())
     sg = (saved / "out" / "sglang").resolve()
-    argv = run_launch(sg / "launch.sh", tmp_path, "python")
+    argv = run_launch(sg / "launch.sh", tmp_path, "python3")
     assert argv == [
         "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm", "EAGLE3",
         "--speculative-draft-model-path", str(sg), "--speculative-num-steps", "4", "--speculative-eagle-topk", "1",
@@ -387,6 +390,40 @@ def test_launch_scripts_run_the_exact_server_commands(saved, tmp_path):
     assert argv[:4] == ["serve", target, "--tensor-parallel-size", "2"]
     assert argv[4] == "--speculative-config" and argv[6:] == ["--port", "30000"]
     assert json.loads(argv[5]) == {"method": "eagle3", "model": str(vl), "num_speculative_tokens": 4}
+
+
+def test_moved_export_serves_a_target_given_by_argument_or_environment(saved, tmp_path):
+    """launch.sh hard-codes nothing of the machine that built it: copied elsewhere it serves its
+    own folder, and the target comes from its first argument or $TARGET (default: recorded)."""
+    export(saved, "out-moved", num_speculative_tokens=3)
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(saved / "out-moved", moved)
+    shutil.rmtree(saved / "out-moved")
+    other = tmp_path / "other-target"
+    argv = run_launch(moved / "sglang" / "launch.sh", tmp_path, "python3", str(other))
+    assert argv[argv.index("--model-path") + 1] == str(other)
+    assert argv[argv.index("--speculative-draft-model-path") + 1] == str(moved / "sglang")
+    assert argv[-2:] == ["--port", "30000"]
+    argv = run_launch(moved / "vllm" / "launch.sh", tmp_path, "vllm", TARGET=str(other), DRAFTER="/srv/drafter")
+    assert argv[1] == str(other)
+    assert json.loads(argv[argv.index("--speculative-config") + 1])["model"] == "/srv/drafter"
+    argv = run_launch(moved / "sglang" / "launch.sh", tmp_path, "python3")  # the recorded target
+    assert argv[argv.index("--model-path") + 1] == str((saved / "target").resolve())
+
+
+def test_exported_files_get_the_umask_modes(saved):
+    """safetensors alone writes 0600; exports are for others to serve (0644 under umask 022)."""
+    old = os.umask(0o022)
+    try:
+        export(saved, "out-modes")
+    finally:
+        os.umask(old)
+    for engine in ("sglang", "vllm"):
+        folder = saved / "out-modes" / engine
+        assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o644
+        assert (folder / "config.json").stat().st_mode & 0o777 == 0o644
+        assert (folder / "launch.sh").stat().st_mode & 0o777 == 0o755
+    assert (saved / "drafter" / "model.safetensors").stat().st_mode & 0o777 == 0o644
 
 
 # ---------------------------------------------------------------- round trips
@@ -442,3 +479,131 @@ def test_import_rejects_weights_that_do_not_fit(saved, tmp_path, capsys):
             "--output", str(tmp_path / "out")]  # fmt: skip
     assert cli_main(args) == 1
     assert "do not fit LlamaForCausalLMEagle3" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- speculators checkpoints
+
+
+def speculators_checkpoint(drafter, folder, target_dir, epoch: int = 1) -> None:
+    """A `speculators train --save-path` folder as speculators 0.9 writes it (layout copied from a
+    real run: epoch folders, checkpoint_best -> N, config.json with transformer_layer_config as
+    a diff dict, its (vLLM) aux ids = ours + 1, tensors `layers.0.*`, the embedding, input_norm)."""
+    cfg = drafter.config
+    ckpt = folder / str(epoch)
+    ckpt.mkdir(parents=True)
+    tensors = {("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v.clone()
+               for k, v in drafter.state_dict().items()}  # fmt: skip
+    tensors["embed_tokens.weight"] = drafter.embed_tokens.weight.clone().float()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(ckpt / "model.safetensors"))
+    config = {
+        "architectures": ["Eagle3DraftModel"], "auto_map": {"": "config.Eagle3SpeculatorConfig"},
+        "draft_vocab_size": cfg.draft_vocab_size, "dtype": "float32",
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layer_ids], "embed_requires_grad": False,
+        "fc_norm": False, "norm_before_fc": cfg.norm_before_fc, "norm_before_residual": cfg.norm_before_residual,
+        "norm_output": cfg.norm_output,
+        "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                               "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": str(target_dir)}},
+        "speculators_model_type": "eagle3", "speculators_version": "0.9.0", "target_hidden_size": None,
+        "transformer_layer_config": {
+            "head_dim": cfg.head_dim, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "layer_types": ["sliding_attention"], "max_position_embeddings": cfg.max_position_embeddings,
+            "model_type": "llama", "num_attention_heads": cfg.num_attention_heads, "num_hidden_layers": 1,
+            "num_key_value_heads": cfg.num_key_value_heads, "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"}, "sliding_window": 2048,
+            "vocab_size": cfg.vocab_size,
+        },
+    }  # fmt: skip
+    (ckpt / "config.json").write_text(json.dumps(config))
+    (folder / "0").mkdir()  # an older epoch, without weights
+    (folder / "checkpoint_best").symlink_to(str(epoch))
+
+
+@pytest.fixture(scope="module")
+def recipe_drafter(saved):
+    """The tiny drafter with speculators' three EAGLE-3 recipe norms on, weights perturbed."""
+    from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+
+    original, cfg = load_drafter(saved / "drafter", saved / "target")
+    flagged = Eagle3Config.from_dict({**cfg.to_dict(), "norm_before_fc": True, "norm_before_residual": True,
+                                      "norm_output": True})  # fmt: skip
+    drafter = Eagle3Drafter(flagged)
+    drafter.load_state_dict(original.state_dict(), strict=False)
+    drafter.embed_tokens.weight = original.embed_tokens.weight
+    with torch.no_grad():
+        drafter.input_norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+    return drafter.eval()
+
+
+def test_the_recipe_norms_change_what_the_drafter_computes(saved, recipe_drafter):
+    original, _ = load_drafter(saved / "drafter", saved / "target")
+    assert not torch.allclose(some_logits(recipe_drafter), some_logits(original))
+    assert "input_norm.weight" in recipe_drafter.export_state_dict()
+
+
+def test_import_of_a_speculators_checkpoint(saved, recipe_drafter, tmp_path, caplog):
+    speculators_checkpoint(recipe_drafter, tmp_path / "run", saved / "target")
+    args = ["import-drafter", "--from", "speculators", "--input", str(tmp_path / "run"),
+            "--target", str(saved / "target"), "--output", str(tmp_path / "ours")]  # fmt: skip
+    assert cli_main(args) == 0
+    imported, cfg = load_drafter(tmp_path / "ours", saved / "target")
+    assert cfg.aux_layer_ids == AUX and cfg.extra["imported_from"]["path"].endswith("checkpoint_best")
+    assert (cfg.norm_before_fc, cfg.norm_before_residual, cfg.norm_output) == (True, True, True)
+    assert torch.equal(some_logits(imported), some_logits(recipe_drafter))
+    assert "sliding attention window" in caplog.text
+    # an epoch folder works as well
+    args[4], args[-1] = str(tmp_path / "run" / "1"), str(tmp_path / "ours-epoch")
+    assert cli_main(args) == 0
+
+
+def test_vllm_export_round_trips_through_the_speculators_import(saved, recipe_drafter, tmp_path):
+    save_drafter(recipe_drafter, tmp_path / "drafter", dtype=torch.float32)
+    (tmp_path / "target").symlink_to(saved / "target")
+    export(tmp_path, "out", dtype="float32")
+    vllm_config = json.loads((tmp_path / "out" / "vllm" / "config.json").read_text())
+    assert vllm_config["norm_before_fc"] and vllm_config["norm_before_residual"] and vllm_config["norm_output"]
+    args = ["import-drafter", "--from", "speculators", "--input", str(tmp_path / "out" / "vllm"),
+            "--target", str(saved / "target"), "--output", str(tmp_path / "back")]  # fmt: skip
+    assert cli_main(args) == 0
+    back, cfg = load_drafter(tmp_path / "back", saved / "target")
+    assert cfg.aux_layer_ids == AUX and cfg.norm_output
+    assert set(load_file(str(tmp_path / "back" / "model.safetensors"))) == set(recipe_drafter.export_state_dict())
+    assert torch.equal(some_logits(back), some_logits(recipe_drafter))
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("no_weights", "no model.safetensors"),
+        ("missing_tensor", "missing ['midlayer.mlp.down_proj.weight']"),
+        ("wrong_type", "field 'speculators_model_type': 'mlp_speculator'"),
+        ("fc_norm", "field 'fc_norm': true"),
+        ("two_layers", "only 1-layer drafters import"),
+        ("empty", "neither a speculators checkpoint"),
+    ],
+)
+def test_speculators_import_names_what_is_wrong(saved, recipe_drafter, tmp_path, capsys, damage, message):
+    run = tmp_path / "run"
+    speculators_checkpoint(recipe_drafter, run, saved / "target")
+    ckpt = run / "1"
+    config = json.loads((ckpt / "config.json").read_text())
+    if damage == "no_weights":
+        (ckpt / "model.safetensors").unlink()
+    elif damage == "missing_tensor":
+        tensors = load_file(str(ckpt / "model.safetensors"))
+        del tensors["layers.0.mlp.down_proj.weight"]
+        save_file(tensors, str(ckpt / "model.safetensors"))
+    elif damage == "wrong_type":
+        config["speculators_model_type"] = "mlp_speculator"
+    elif damage == "fc_norm":
+        config["fc_norm"] = True
+    elif damage == "two_layers":
+        config["transformer_layer_config"]["num_hidden_layers"] = 2
+    elif damage == "empty":
+        run = tmp_path / "empty"
+        run.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(config))
+    args = ["import-drafter", "--from", "speculators", "--input", str(run), "--target", str(saved / "target"),
+            "--output", str(tmp_path / "out")]  # fmt: skip
+    assert cli_main(args) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -325,3 +326,75 @@ def test_cuda_pipeline_stores_fp8_quantized_on_the_gpu(target, split, tmp_path):
             q = quantize_fp8(hidden, check=False)
             assert torch.equal(stored.fp8.codes, q.codes.cpu()) and torch.equal(stored.fp8.exps, q.exps.cpu())
             assert torch.equal(stored.hidden, q.dequantize())
+
+
+# ---- the target by content; repair in place (issue 12) ------------------------------------------
+
+
+def test_a_moved_or_copied_target_reuses_every_stored_sample(split, tmp_path):
+    path, _ = split
+    target = build_target(tmp_path / "models" / "tiny")
+    s = {k: v for k, v in settings().items() if k != "target_identity"}  # as the rule passes them
+    first = run_extract(path, "train", 0, 10, target, tmp_path / "store", s, tmp_path / "rows_a")
+    assert first.stats.computed == 10
+    copy = tmp_path / "elsewhere" / "copy-of-tiny"
+    shutil.copytree(target, copy)
+    moved = tmp_path / "moved"
+    target.rename(moved)
+    for folder in (copy, moved):
+        again = run_extract(path, "train", 0, 10, folder, tmp_path / "store", s, tmp_path / f"rows_{folder.name}")
+        assert (again.stats.computed, again.stats.reused) == (0, 10)
+        assert again.entries == first.entries
+
+
+def _flip(path: Path, offset_from_end: int = 3) -> None:
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_verify_repair_recomputes_exactly_the_damaged_samples_in_place(target, split, tmp_path, capsys):
+    from draftflow.hidden_states.storage import checksum, write_range_index
+
+    path, _ = split
+    hs = tmp_path / "hs"
+    s = {k: v for k, v in settings(batch_tokens=48).items() if k != "target_identity"}
+    run_extract(path, "train", 0, 10, target, hs / "store", s, hs / "train" / "rows_0-10")
+    range_dir = hs / "train" / "rows_0-10"
+    meta, entries = read_range_index(range_dir)
+    store = SampleStore(hs / "store")
+    originals = {e.key: store.get(e.key) for e in entries}
+    index_before = (range_dir / "index.json").read_bytes()
+    damaged, missing = entries[2], entries[7]
+    _flip(store.path(damaged.key))
+    store.path(missing.key).unlink()
+    others = {e.key: store.path(e.key).stat().st_mtime_ns for e in entries if e not in (damaged, missing)}
+
+    rc = cli.main(["verify", "--hidden-states", str(hs), "--repair"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"REPAIRED {range_dir} {damaged.sample_id} {damaged.key}: recomputed bit for bit" in out
+    assert f"REPAIRED {range_dir} {missing.sample_id} {missing.key}" in out
+    assert "nothing downstream needs to rerun" in out
+    for key, data in originals.items():
+        assert store.get(key) == data, key
+    assert {k: store.path(k).stat().st_mtime_ns for k in others} == others  # only the bad ones were written
+    assert (range_dir / "index.json").read_bytes() == index_before  # the range (a Snakemake output) is untouched
+    assert cli.main(["verify", "--hidden-states", str(hs), "--decode"]) == 0
+
+    # Another model under the recorded path: refused, nothing deleted.
+    _flip(store.path(damaged.key))
+    other = build_target(tmp_path / "other", hidden=32)
+    rc = cli.main(["verify", "--hidden-states", str(hs), "--repair", "--target", str(other)])
+    assert rc == 1 and "is not the target these samples were extracted with" in capsys.readouterr().out
+    assert store.path(damaged.key).exists()
+
+    # A recompute that differs from what the index recorded (an engine that is not bit-reproducible,
+    # simulated by an index entry that no longer matches): the entry is updated and reported.
+    entries = [dataclasses.replace(e, checksum="xxh3_128:" + "0" * 32) if e == damaged else e for e in entries]
+    write_range_index(range_dir, entries, meta)
+    rc = cli.main(["verify", "--hidden-states", str(hs), "--repair"])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"CHANGED {range_dir} {damaged.sample_id}" in out and "snakemake --forcerun train" in out
+    assert read_range_index(range_dir)[1][2].checksum == checksum(store.get(damaged.key))
+    assert cli.main(["verify", "--hidden-states", str(hs), "--decode"]) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,8 @@ from draftflow.engines.capture import (
     make_capture_engine,
     plan_batches,
 )
-from draftflow.hidden_states.extract import Record, extract_range, write_range
+from draftflow import cli
+from draftflow.hidden_states.extract import Record, extract_range, run_extract, write_range
 from draftflow.hidden_states.storage import SampleStore, decode_sample, read_range_index
 
 NUM_LAYERS = 6
@@ -106,6 +108,43 @@ def test_stored_layers_follow_the_convention(target, tmp_path, dtype_name):
         assert torch.equal(ref.model.lm_head(final), out.logits[0])
         assert not torch.equal(final, layer_out[NUM_LAYERS - 1])  # post-norm, not pre-norm
     engine.close()
+
+
+def test_last_layer_aux_id_is_the_raw_output_and_data_config_says_so(target, tmp_path):
+    """Aux id N-1: the store holds the last layer's raw output (a hook on it), which is NOT HF's
+    output_hidden_states[N] (post-norm: the final slot); data_config.json says exactly that."""
+    aux = [1, 3, NUM_LAYERS - 1]
+    split = tmp_path / "train.jsonl"
+    records = make_records([9, 14])
+    split.write_text("".join(
+        json.dumps({"id": r.sample_id, "dataset": "d", "input_ids": r.input_ids.tolist(),
+                    "loss_mask": r.loss_mask.tolist()}) + "\n" for r in records
+    ))  # fmt: skip
+    hs = tmp_path / "hidden_states"
+    s = settings("float32", aux_layer_ids=aux, batch_tokens=1)  # one sample per forward: bit-exact
+    run_extract(split, "train", 0, 2, target, hs / "store", s, hs / "train" / "rows_0-2")
+    _, entries = read_range_index(hs / "train" / "rows_0-2")
+    ref = Reference(target, torch.float32)
+    for record, entry in zip(records, entries):
+        sample = decode_sample(SampleStore(hs / "store").get(entry.key), check=True)
+        out, layer_out = ref.run(record.input_ids)
+        last = sample.hidden[:, 2]
+        assert torch.equal(last, layer_out[NUM_LAYERS - 1])  # forward hook on the last layer
+        assert not torch.allclose(last, out.hidden_states[NUM_LAYERS][0], atol=1e-3)  # HF's index N is normed
+        assert torch.equal(out.hidden_states[NUM_LAYERS][0], ref.model.model.norm(last))
+        assert torch.equal(sample.hidden[:, -1], out.hidden_states[NUM_LAYERS][0])  # the final slot
+
+    assert cli.main(["summarize-hidden-states", "--ranges", str(hs / "train" / "rows_0-2"),
+                     "--output-dir", str(hs)]) == 0  # fmt: skip
+    config = json.loads((hs / "data_config.json").read_text())
+    meanings = config["layer_meanings"]
+    assert len(meanings) == len(config["layer_ids"]) == 4
+    assert meanings[0].startswith("aux 1: output of decoder layer 1") and "output_hidden_states[2]" in meanings[0]
+    assert meanings[2].startswith(f"aux {NUM_LAYERS - 1}: raw output of decoder layer {NUM_LAYERS - 1}")
+    assert f"not HF output_hidden_states[{NUM_LAYERS}]" in meanings[2] and "before the final norm" in meanings[2]
+    assert meanings[3].startswith("final:") and "after the final norm" in meanings[3]
+    assert f"output_hidden_states[{NUM_LAYERS}])" in meanings[3]
+    assert f"not HF's hidden_states[{NUM_LAYERS}]" in config["engine_layer_id_meaning"]
 
 
 def test_right_padding_leaves_real_positions_unchanged(target):

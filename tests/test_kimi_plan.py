@@ -89,7 +89,7 @@ def test_kimi_plan_fans_out_to_19_gpu_range_jobs(tmp_path):
 
 def test_kimi_plan_through_the_slurm_profile(tmp_path):
     """`snakemake --profile profiles/slurm -n` shows what each sbatch will ask for:
-    8 GPUs per extraction range, 8 GPUs on one node for training."""
+    8 GPUs per extraction range, 8 GPUs on one node for training and for the SGLang evaluation."""
     workdir = copy_workflow(tmp_path / "wf")
     config = yaml.safe_load((REPO / "config" / "examples" / "kimi-k2.5.yaml").read_text())
     config["results"] = str(tmp_path / "results")
@@ -106,3 +106,10 @@ def test_kimi_plan_through_the_slurm_profile(tmp_path):
     train = next(block for block in blocks if block.startswith("train:"))
     train_resources = next(line for line in train.splitlines() if line.strip().startswith("resources:"))
     assert "gpu=8" in train_resources and "nodes=" not in train_resources, train_resources
+    # evaluation serves the exported drafter through SGLang with TP 8 on MT-bench and HumanEval
+    evaluate = next(block for block in blocks if block.startswith("evaluate:"))
+    evaluate_resources = next(line for line in evaluate.splitlines() if line.strip().startswith("resources:"))
+    assert "gpu=8" in evaluate_resources, evaluate_resources
+    assert "--served-drafter" in evaluate and "/export/sglang" in evaluate
+    for setting in ('"engine":"sglang"', '"kind":"mtbench"', '"turns":2', '"kind":"humaneval"', '"tensor_parallel":8'):
+        assert setting in evaluate, setting

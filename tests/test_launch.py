@@ -102,9 +102,11 @@ def test_cli_prints_the_command_with_the_backend():
 
 
 def test_two_cpu_processes_all_reduce_through_the_launcher():
-    """A real torchrun with 2 gloo processes: each all-reduces its rank (0 + 1 = 1)."""
+    """A real torchrun with 2 gloo processes: each all-reduces its rank (0 + 1 = 1), and the
+    job's 2 CPU threads are shared: one torch thread per process."""
     proc = subprocess.run(
-        [*LAUNCH_TRAIN, "--gpus-per-node", "0", "--cpu-procs", "2", "--check"],
+        [sys.executable, "-m", "draftflow.cli", "--threads", "2", "launch-train",
+         "--gpus-per-node", "0", "--cpu-procs", "2", "--check"],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -113,3 +115,4 @@ def test_two_cpu_processes_all_reduce_through_the_launcher():
     for rank, line in enumerate(lines):
         assert line.startswith(f"rank {rank}/2 ") and "backend=gloo" in line, line
         assert "allreduce_sum=1 expected=1" in line, line
+        assert " threads=1 " in line, line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import statistics
 from pathlib import Path
@@ -180,6 +181,27 @@ def test_eval_split_of_a_dataset_is_stable_when_another_dataset_is_added(tmp_pat
     assert 5 <= len(eval_of_a(tmp_path / "alone")) < 60
 
 
+def test_eval_split_is_a_seedless_hash_of_the_sample_id(tmp_path):
+    """The rule (docs: merge.py step 4): eval iff sha256("eval\\0" + id)[:8] / 2^64 < eval_fraction.
+    Changing merge.seed, weights or max_seq_len reshuffles but moves no sample between splits."""
+    inputs = dataset_shards(tmp_path, "A", 200)
+    merge(inputs, settings(seed=0, eval_fraction=0.2), tmp_path / "s0")
+    merge(inputs, settings(seed=12345, eval_fraction=0.2, max_seq_len=9), tmp_path / "s1")
+    merge(inputs, settings(seed=7, eval_fraction=0.2, datasets={"A": {"weight": 1.5}}), tmp_path / "s2")
+
+    def base_ids(out, split):
+        return {base_id(r["id"]) for r in split_records(out, split)}
+
+    ids = [f"A-{i:016x}" for i in range(200)]
+    pinned = {i for i in ids if int.from_bytes(hashlib.sha256(f"eval\0{i}".encode()).digest()[:8], "big") < 0.2 * 2**64}
+    assert 20 < len(pinned) < 60
+    for out in ("s0", "s1", "s2"):
+        assert base_ids(tmp_path / out, "eval") == pinned, out
+        assert base_ids(tmp_path / out, "train") == set(ids) - pinned, out
+    # the seed still shuffles
+    assert all_ids(tmp_path / "s0") != all_ids(tmp_path / "s1")
+
+
 def test_min_eval_samples_tops_up_eval_only_when_train_keeps_samples(tmp_path):
     inputs = dataset_shards(tmp_path, "A", 10)
     merge(inputs, settings(eval_fraction=0, min_eval_samples=3), tmp_path / "topped")
@@ -241,6 +263,29 @@ def test_manifest_statistics_match_a_hand_computation(tmp_path):
     )  # fmt: skip
     assert rows[1]["min_len"] == ""  # an empty split has no lengths
     assert rows[-1]["dropped"] == "1"
+
+
+def test_rejected_source_records_are_counted_per_dataset(tmp_path):
+    inputs = dataset_shards(tmp_path, "A", 6) + dataset_shards(tmp_path, "B", 4, shards=1)
+    rejects_a = [tmp_path / "A-0.rejects.jsonl", tmp_path / "A-1.rejects.jsonl"]
+    write_jsonl(rejects_a[0], [{"line": 2, "field": None, "reason": "not valid JSON", "raw": "{"}] * 3)
+    write_jsonl(rejects_a[1], [])
+    rejects_b = tmp_path / "B-0.rejects.jsonl"
+    write_jsonl(rejects_b, [])
+    out = tmp_path / "out"
+    assert cli.main(["merge", *(f"--input={n}={p}" for n, p in inputs),
+                     f"--rejects=A={rejects_a[0]}", f"--rejects=A={rejects_a[1]}", f"--rejects=B={rejects_b}",
+                     "--settings", json.dumps({"max_seq_len": 64}), "--out-dir", str(out)]) == 0  # fmt: skip
+    manifest = read_json(out / "manifest.json")
+    assert manifest["datasets"]["A"]["rejected"] == 3 and manifest["datasets"]["B"]["rejected"] == 0
+    assert manifest["total"]["rejected"] == 3
+    with open(out / "stats.csv", newline="") as f:
+        rows = {(r["dataset"], r["split"]): r["rejected"] for r in csv.DictReader(f)}
+    assert rows[("A", "all")] == "3" and rows[("B", "all")] == "0" and rows[("total", "all")] == "3"
+    assert rows[("A", "train")] == rows[("A", "eval")] == ""  # rejects belong to no split
+
+    with pytest.raises(DraftflowError, match="rejects file .*nope.jsonl \\(dataset A\\) does not exist"):
+        merge(inputs, settings(), tmp_path / "out2", rejects=[("A", tmp_path / "nope.jsonl")])
 
 
 # ---------------------------------------------------------------- ranges

@@ -119,8 +119,9 @@ def test_aux_layer_ids_are_validated():
         resolve_aux_layer_ids([2, 30, 61], 61)
     with pytest.raises(DraftflowError, match=r"lists layer\(s\) \[30\] more than once"):
         resolve_aux_layer_ids([30, 2, 30], 61)
-    with pytest.raises(DraftflowError, match=r"default .* 4-layer target .* set extract.aux_layer_ids explicitly"):
-        resolve_aux_layer_ids(None, 4)  # [1, 1, 0]
+    assert resolve_aux_layer_ids(None, 4) == [0, 1, 2]  # [1, N//2 - 1, N - 4] would repeat: [1, 1, 0]
+    with pytest.raises(DraftflowError, match=r"3 decoder layer\(s\) has no default aux layers .* set extract.aux_layer_ids"):
+        resolve_aux_layer_ids(None, 3)
 
 
 def test_cli_plan_storage(tmp_path, capsys):
@@ -188,7 +189,8 @@ def test_bytes_already_in_the_store_count_as_written(tmp_path):
     store = tmp_path / "hs" / "store" / "ab" / "cd"
     store.mkdir(parents=True)
     (store / "one.dfhs").write_bytes(b"x" * 300)
-    (store.parent / "two.dfhs").write_bytes(b"x" * 100)
+    (store.parent / "ef").mkdir()
+    (store.parent / "ef" / "two.dfhs").write_bytes(b"x" * 100)
     ctx = PreflightContext(plan_of(1000), tmp_path / "hs", PreflightSettings(free_disk_margin=0.5))
     result = check_free_disk(ctx)
     assert isinstance(result, CheckResult) and result.ok

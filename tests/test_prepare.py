@@ -316,6 +316,62 @@ def test_skip_mode_writes_rejects_and_keeps_good_records(tmp_path):
                              "raw": BAD_ROLE}]
 
 
+def latin1_source(path: Path, bad_line: int = 51, lines: int = 60) -> tuple[bytes, int]:
+    """JSONL bytes (~25 KiB, beyond a decoder's 8 KiB buffer) with one Latin-1 byte on `bad_line`;
+    returns (content, absolute offset of the bad byte)."""
+    rows = [chat(f"Question {i}: " + "x" * 380, f"Answer {i}.") for i in range(1, lines + 1)]
+    rows[bad_line - 1] = chat("Caf\u00e9 question? " + "y" * 370, "Answer.")
+    content = b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in rows)
+    content = content.replace("Caf\u00e9".encode(), b"Caf\xe9")  # é in Latin-1: not UTF-8
+    offset = content.index(b"\xe9")
+    assert content[:offset].count(b"\n") == bad_line - 1 and offset > 16384
+    return content, offset
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_non_utf8_byte_is_named_by_file_line_and_absolute_offset(tmp_path, compressed):
+    content, offset = latin1_source(tmp_path)
+    src = tmp_path / ("latin1.jsonl.zst" if compressed else "latin1.jsonl")
+    src.write_bytes(zstandard.ZstdCompressor().compress(content) if compressed else content)
+    with pytest.raises(DraftflowError) as e:
+        run(tmp_path, path=str(src))
+    message = str(e.value)
+    assert message.startswith(f"{src}:51: not UTF-8")
+    assert f"at byte {offset}" in message and "b'\\xe9'" in message and "dataset ds" in message
+
+    # on_error: skip drops exactly that line, counts it and keeps the 59 others
+    records, rejects = run(tmp_path, path=str(src), on_error="skip")
+    assert len(records) == 59 and not any("Caf" in json.dumps(r) for r in records)
+    assert [(r["line"], r["field"]) for r in rejects] == [(51, None)]
+    assert f"at byte {offset}" in rejects[0]["reason"] and "Caf\ufffd" in rejects[0]["raw"]
+
+
+def test_non_utf8_byte_in_a_json_document_is_located(tmp_path):
+    content = json.dumps(RECORDS, indent=2, ensure_ascii=False).replace("What is 3", "Wh\u00e4t is 3").encode()
+    content = content.replace("\u00e4".encode(), b"\xe4")
+    (tmp_path / "s.json").write_bytes(content)
+    offset = content.index(b"\xe4")
+    line = content[:offset].count(b"\n") + 1
+    with pytest.raises(DraftflowError, match=rf"s\.json:{line}: not UTF-8: .* at byte {offset} "):
+        run(tmp_path, path=str(tmp_path / "s.json"), on_error="skip")
+
+
+def test_empty_dataset_is_an_error_under_fail_naming_dataset_and_file(tmp_path):
+    src = tmp_path / "empty.jsonl"
+    src.write_text("\n\n")  # blank lines only: no record
+    with pytest.raises(DraftflowError) as e:
+        run(tmp_path, dataset="B9_empty", path=str(src))
+    assert f"dataset B9_empty: {src} holds no records" in str(e.value)
+    assert not (tmp_path / "out" / "B9_empty" / "shard-0.jsonl.zst").exists()
+    (tmp_path / "empty.json").write_text("[]")
+    with pytest.raises(DraftflowError, match="dataset B9_empty: .*empty.json holds no records"):
+        run(tmp_path, dataset="B9_empty", path=str(tmp_path / "empty.json"))
+    # under skip, an empty (or wholly rejected) dataset is written empty, its rejects counted later
+    src.write_text(json.dumps(BAD_ROLE) + "\n")
+    records, rejects = run(tmp_path, dataset="B9_empty", path=str(src), on_error="skip")
+    assert records == [] and len(rejects) == 1
+
+
 def test_prompt_only_records_need_regenerate(tmp_path):
     src = write_jsonl_lines(tmp_path / "p.jsonl", [NO_ASSISTANT, RECORDS[0]])
     records, rejects = run(tmp_path, path=str(src), on_error="skip")

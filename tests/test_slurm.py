@@ -13,6 +13,7 @@ Run just this:  .venv/bin/pytest -m slurm -v
 from __future__ import annotations
 
 import copy
+import fcntl
 import json
 import os
 import subprocess
@@ -31,16 +32,94 @@ CANNOT_INSTALL = {10: "not root", 11: "packages cannot be installed (no apt-get 
 PARTITION = "debug"  # the partition setup_local_slurm.sh creates
 
 
-@pytest.fixture(scope="module")
-def slurm_cluster() -> None:
-    """Make sure the local SLURM runs (idempotent: about 1 s when it already does)."""
+STOP = REPO / "scripts" / "slurm" / "stop_local_slurm.sh"
+# The daemons setup_local_slurm.sh starts, by pidfile, in the order they are stopped.
+DAEMONS = {
+    "slurmd": "/run/slurmd.pid",
+    "slurmctld": "/run/slurmctld.pid",
+    "slurmdbd": "/run/slurmdbd.pid",
+    "mariadbd": "/run/mysqld/mysqld.pid",
+    "munged": "/run/munge/munged.pid",
+}
+# Test sessions share the cluster: each holds LOCK shared while it uses it and appends the
+# daemons it started to STARTED; the last one out (exclusive lock) stops all of those.
+# Daemons that ran before any test (someone's own SLURM) are never in STARTED.
+LOCK = Path("/run/draftflow-slurm-test.lock")
+STARTED = Path("/run/draftflow-slurm-test.started")
+
+
+def running_daemons() -> dict[str, int]:
+    """name -> pid of the daemons whose pidfile names a live process."""
+    out = {}
+    for name, pidfile in DAEMONS.items():
+        try:
+            pid = int(Path(pidfile).read_text().split()[0])
+            os.kill(pid, 0)
+        except (OSError, ValueError, IndexError):
+            continue
+        out[name] = pid
+    return out
+
+
+def stop_started_daemons(lock) -> list[str]:
+    """Leave the cluster: the last session using it stops what test sessions started."""
+    fcntl.flock(lock, fcntl.LOCK_UN)
     try:
-        proc = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=900)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{SETUP.name} took more than 15 min:\n{e.stdout}\n{e.stderr}")
-    if proc.returncode in CANNOT_INSTALL:
-        pytest.skip(f"SLURM cannot be installed here ({CANNOT_INSTALL[proc.returncode]}): {proc.stderr.strip()}")
-    assert proc.returncode == 0, f"{SETUP.name} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return []  # another test session still uses the cluster; it stops the daemons
+    try:
+        names = sorted(set(STARTED.read_text().split()) & set(DAEMONS), key=list(DAEMONS).index)
+    except FileNotFoundError:
+        names = []
+    if names:
+        proc = subprocess.run(["bash", str(STOP), "--cancel-jobs", *names], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    STARTED.unlink(missing_ok=True)
+    fcntl.flock(lock, fcntl.LOCK_UN)
+    return names
+
+
+class Cluster:
+    """The running local SLURM; `leave()` stops the daemons this test session started."""
+
+    def __init__(self, lock, started: dict[str, int]):
+        self.lock, self.started, self.stopped = lock, started, None
+
+    def leave(self) -> list[str]:
+        if self.stopped is None:
+            self.stopped = stop_started_daemons(self.lock)
+            self.lock.close()
+        return self.stopped
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    """Make sure the local SLURM runs (idempotent: about 1 s when it already does); afterwards
+    stop the daemons it had to start (packages and configuration stay for the next run)."""
+    try:
+        lock = open(LOCK, "a")
+    except OSError as e:  # not root: setup_local_slurm.sh could not run either
+        pytest.skip(f"SLURM cannot be installed here (cannot write {LOCK}: {e})")
+    fcntl.flock(lock, fcntl.LOCK_SH)
+    before = running_daemons()
+    cluster = Cluster(lock, {})
+    try:
+        try:
+            proc = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=900)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"{SETUP.name} took more than 15 min:\n{e.stdout}\n{e.stderr}")
+        finally:
+            cluster.started = {n: p for n, p in running_daemons().items() if before.get(n) != p}
+            if cluster.started:
+                with open(STARTED, "a") as f:  # one short append: atomic beside other sessions
+                    f.write(" ".join(cluster.started) + "\n")
+        if proc.returncode in CANNOT_INSTALL:
+            pytest.skip(f"SLURM cannot be installed here ({CANNOT_INSTALL[proc.returncode]}): {proc.stderr.strip()}")
+        assert proc.returncode == 0, f"{SETUP.name} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        yield cluster
+    finally:
+        cluster.leave()
 
 
 def small_config() -> dict:
@@ -196,3 +275,18 @@ def test_default_pipeline_on_slurm(slurm_cluster, tmp_path: Path):
         assert tres(job["AllocTRES"]).get("gres/gpu") == "1", job
     for job in others:  # CPU stages ask for no GPU
         assert "gres/gpu" not in tres(job["ReqTRES"]), job
+
+
+@pytest.mark.slurm
+def test_leaving_stops_every_daemon_the_tests_started(slurm_cluster):
+    """Last in this module: the machine is left as the tests found it (daemons that ran
+    before stay; packages and configuration stay, so the next run starts in seconds)."""
+    started = dict(slurm_cluster.started)
+    stopped = slurm_cluster.leave()
+    if stopped == [] and STARTED.exists():
+        pytest.skip("another test session still uses the local SLURM; it stops the daemons")
+    assert set(started) <= set(stopped)
+    still = running_daemons()
+    for name, pid in started.items():
+        assert name not in still, f"{name} (pid {pid}) still runs"
+        assert not Path(f"/proc/{pid}").exists(), f"{name} (pid {pid}) still runs"

@@ -139,8 +139,9 @@ def test_encode_rejects_inconsistent_inputs():
         encode_sample(ids, mask, hidden[:, 0])
 
 
-def legacy_encode(ids, mask, hidden: torch.Tensor, level: int = 1) -> bytes:
-    """Frozen copy of encode_sample as of format version 1's first release (strided byte planes, one join)."""
+def legacy_encode(ids, mask, hidden: torch.Tensor, level: int = 1, payload_checksum: bool = True) -> bytes:
+    """Frozen copy of encode_sample as of format version 1's first release (strided byte planes, one join),
+    plus the header's optional `payload_checksum` (files written before it lack the key)."""
     ids = np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
     mask = np.ascontiguousarray(np.asarray(mask, dtype=np.uint8).reshape(-1))
     itemsize = hidden.element_size()
@@ -167,6 +168,8 @@ def legacy_encode(ids, mask, hidden: torch.Tensor, level: int = 1) -> bytes:
         "codec": "zstd-byteplanes", "level": level, "raw_checksum": checksum(ids, mask, as_int),
         "sections": [meta for meta, _ in sections],
     }  # fmt: skip
+    if payload_checksum:
+        header["payload_checksum"] = checksum(*(d for _, d in sections))
     header_bytes = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     parts = [struct.pack("<4sHI", b"DFHS", 1, len(header_bytes)), header_bytes] + [d for _, d in sections]
     return b"".join(parts)
@@ -343,6 +346,60 @@ def test_sigkill_during_writes_leaves_only_complete_files(tmp_path):
         sample = decode_sample(store.get(key), check=True)
         assert sample_key("crash", sample.input_ids) == key
         assert np.array_equal(sample.loss_mask, sample.input_ids % 2)
+
+
+STUCK_WRITER = textwrap.dedent("""
+    import os, sys, time, numpy as np, torch
+    from draftflow.hidden_states import storage
+    store = storage.SampleStore(sys.argv[1])
+    ids = np.arange(50)
+
+    def stuck(src, dst):  # this writer stops after fsync, before the rename
+        print("written", flush=True)
+        time.sleep(600)
+
+    os.replace = stuck
+    store.put(storage.sample_key("stuck", ids), storage.encode_sample(ids, ids % 2, torch.ones(50, 4, 8)))
+    """)
+
+
+def _temps(root: Path) -> list[Path]:
+    return sorted(root.glob("*/*/.*.tmp-*"))
+
+
+def _start_stuck_writer(root: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", STUCK_WRITER, str(root)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "written"
+    return proc
+
+
+def test_a_dead_writers_temp_file_is_removed_at_the_next_start_and_a_live_ones_kept(tmp_path):
+    from draftflow.hidden_states.preflight import PreflightContext, PreflightSettings, check_free_disk
+
+    root = tmp_path / "store"
+    store = SampleStore(root)
+    live = _start_stuck_writer(root)
+    dead = _start_stuck_writer(root)
+    try:
+        dead.kill()  # SIGKILL: nothing of the writer runs any more
+        dead.wait()
+        temps = _temps(root)
+        assert len(temps) == 2 and not list(store.keys())
+        plan = {"total": {"bytes_expected": 10**6}}
+        free_disk = check_free_disk(PreflightContext(plan, tmp_path, PreflightSettings()))
+        assert free_disk.details["store_bytes"] == 0  # preflight: temp files are not stored samples
+        # Fresh files, no waiting for an age: the dead writer is checked, not guessed.
+        assert store.cleanup_temp() == 1
+        (kept,) = _temps(root)
+        assert f"~{live.pid}~" in kept.name  # the live writer's file stays
+        other_host = kept.with_name(kept.name.replace(storage._HOST, "elsewhere", 1))
+        kept.rename(other_host)  # a writer on another host sharing the store: cannot be checked, kept
+        assert store.cleanup_temp() == 0
+        other_host.rename(kept)
+    finally:
+        live.kill()
+        live.wait()
+    assert store.cleanup_temp() == 1 and _temps(root) == []
 
 
 # ---------------------------------------------------------------- indexes and reader

@@ -16,7 +16,7 @@ from draftflow.errors import DraftflowError
 from draftflow.hidden_states.extract import ExtractOptions, Record, extract_range, summarize_hidden_states
 from draftflow.hidden_states.interop import ConvertOptions, convert
 from draftflow.hidden_states.plan import PlanSettings, plan_storage
-from draftflow.hidden_states.preflight import PreflightSettings, preflight, store_bytes
+from draftflow.hidden_states.preflight import PreflightSettings, preflight, stored_sample_bytes
 from draftflow.hidden_states.storage import (
     FP8_MAX_EXP,
     FP8_MIN_EXP,
@@ -322,8 +322,8 @@ def test_plan_and_preflight_account_for_the_storage_mode(tmp_path):
     store = hs / "store"
     ids, mask, hidden = make_sample(40, seed=7)
     SampleStore(store).put(sample_key("l", ids), encode_sample(ids, mask, hidden))
-    fp8_bytes, all_bytes = store_bytes(store, "fp8"), store_bytes(store, None)
-    assert 0 < fp8_bytes < all_bytes and store_bytes(store, "lossless") == all_bytes - fp8_bytes
+    fp8_bytes, all_bytes = stored_sample_bytes(store, "fp8"), stored_sample_bytes(store, None)
+    assert 0 < fp8_bytes < all_bytes and stored_sample_bytes(store, "lossless") == all_bytes - fp8_bytes
     report = preflight(fp8, hs, PreflightSettings())
     details = report["checks"][0]["details"]
     assert details["storage"] == "fp8" and details["store_bytes"] == fp8_bytes

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -275,26 +276,48 @@ def test_resolve_target(tmp_path):
     assert resolve_target(str(tmp_path / "model"), tmp_path) == (tmp_path / "model").resolve()
 
 
-def test_target_identity_uses_config_and_weight_sizes_not_weights(tmp_path):
-    model = tmp_path / "m"
-    model.mkdir()
-    (model / "config.json").write_text('{"hidden_size": 8}')
-    (model / "model-00001-of-00002.safetensors").write_bytes(b"a" * 100)
-    (model / "model-00002-of-00002.safetensors").write_bytes(b"b" * 50)
+def _fake_model(folder: Path, seed: int = 0, rows: int = 64) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama", "hidden_size": 8}')
+    (folder / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0}}}')
+    g = torch.Generator().manual_seed(seed)
+    for i in (1, 2):  # two shards, the second one large enough that sampling skips most of it
+        tensors = {f"layer{i}.weight": torch.randn(rows * i, 1024, generator=g)}
+        save_file(tensors, str(folder / f"model-0000{i}-of-00002.safetensors"))
+    return folder
+
+
+def test_target_identity_is_content_not_path(tmp_path):
+    model = _fake_model(tmp_path / "m")
     first = target_identity(model)
-    assert first == target_identity(str(model)) and first.startswith("m@") and len(first) < 40
-    (model / "model-00002-of-00002.safetensors").write_bytes(b"c" * 50)  # same size: not read
-    assert target_identity(model) == first
-    (model / "model-00002-of-00002.safetensors").write_bytes(b"c" * 51)
-    second = target_identity(model)
-    assert second != first
-    (model / "config.json").write_text('{"hidden_size": 9}')
-    assert target_identity(model) != second
-    copy = tmp_path / "copy"
-    copy.mkdir()
-    for p in model.iterdir():
-        (copy / p.name).write_bytes(p.read_bytes())
-    assert target_identity(copy) != target_identity(model)  # another path, another target
+    assert first == target_identity(str(model)) and first.startswith("llama@") and len(first) < 40
+
+    # Moved or copied elsewhere, under another name, with unrelated files around it: the same target.
+    copy = tmp_path / "elsewhere" / "renamed"
+    shutil.copytree(model, copy)
+    (copy / "README.md").write_text("notes")
+    (copy / "build_log.json").write_text("{}")
+    assert target_identity(copy) == first
+    model.rename(tmp_path / "moved")
+    assert target_identity(tmp_path / "moved") == first
+
+    # Fine-tuned weights of the same shapes: same headers and sizes, other bytes.
+    tuned = _fake_model(tmp_path / "tuned", seed=1)
+    assert [p.stat().st_size for p in sorted(tuned.glob("*.safetensors"))] == [
+        p.stat().st_size for p in sorted(copy.glob("*.safetensors"))
+    ]
+    assert target_identity(tuned) != first
+    # Another shape, another config, another tokenizer: another target.
+    assert target_identity(_fake_model(tmp_path / "wider", rows=65)) != first
+    (copy / "config.json").write_text('{"model_type": "llama", "hidden_size": 9}')
+    assert target_identity(copy) != first
+    (copy / "config.json").write_text('{"model_type": "llama", "hidden_size": 8}')
+    assert target_identity(copy) == first
+    (copy / "tokenizer.json").write_text('{"model": {"vocab": {"b": 0}}}')
+    assert target_identity(copy) != first
 
 
 # ---- the default build: fast and not degenerate ------------------------------------------

@@ -19,14 +19,18 @@ import pytest
 from draftflow import cli
 from draftflow.errors import DraftflowError
 from draftflow.jsonl import read_jsonl, write_jsonl
+from draftflow.data.merge import MergeSettings, merge
 from draftflow.data.tokenization import (
     ChatTemplateError,
     TokenizeSettings,
+    char_budget,
     mask_by_segments,
     mask_from_offsets,
     render_conversation,
+    tokenize_bounded,
     tokenize_conversation,
     tokenize_file,
+    tokenize_rendered,
 )
 from helpers_tokenizers import (
     STYLES,
@@ -467,6 +471,93 @@ def test_cli_writes_token_records_and_drops_samples_without_answer(tmp_path, fas
         assert record["input_ids"] == expected.input_ids and record["loss_mask"] == expected.loss_mask
     assert "3 conversations, 2 written, 1 dropped" in caplog.text
     assert "tokens/s" in caplog.text
+
+
+# ---- bounded work per record ----------------------------------------------------------------
+
+LONG_WORDS = "The quick brown fox jumps over the lazy dog. Hello there! café ☀️ 12345\n"
+LONG_MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Question " + LONG_WORDS * 40},
+    {"role": "assistant", "content": "Let me check. " + LONG_WORDS * 1000},
+    {"role": "user", "content": "Thanks!"},
+    {"role": "assistant", "content": "Anything else?"},
+]
+
+
+@pytest.mark.parametrize("style", ["llama3", "kimi_k2"])
+@pytest.mark.parametrize("max_seq_len", [8, 100, 333, 600])
+def test_long_record_is_cut_before_tokenizing_keeping_the_exact_prefix(style, max_seq_len, tokenizers):
+    """The cut lands in the system, user or assistant turn: the kept tokens and their mask are
+    exactly the first max_seq_len of the whole text's, and the work is bounded by the budget."""
+    tokenizer = tokenizers[style]
+    rendered = render_conversation(tokenizer, LONG_MESSAGES)
+    whole = tokenize_rendered(tokenizer, rendered)
+    assert len(whole.input_ids) > 4 * max_seq_len  # the record is far longer than merge keeps
+    budget = char_budget(tokenizer, max_seq_len)
+    sample, cut_chars = tokenize_bounded(tokenizer, rendered, max_seq_len, budget)
+    assert sample.input_ids == whole.input_ids[:max_seq_len]
+    assert sample.loss_mask == whole.loss_mask[:max_seq_len]
+    assert cut_chars == len(rendered.text) - budget > 0  # the first cut held: nothing more was read
+    # a text within the budget is tokenized whole, as before
+    assert tokenize_bounded(tokenizer, rendered, max_seq_len, len(rendered.text)) == (whole, 0)
+
+
+def test_cut_records_are_counted_and_merge_counts_them_truncated(tmp_path, fast_tokenizers):
+    tokenizer = fast_tokenizers["llama3"]
+    long = [{"role": "user", "content": "Hello there!"}, {"role": "assistant", "content": LONG_WORDS * 1000}]
+    short = [{"role": "user", "content": "Hello there!"}, {"role": "assistant", "content": "Hello!"}]
+    records = [{"id": "long-0", "dataset": "D", "messages": long}, {"id": "short-1", "dataset": "D", "messages": short}]
+    write_jsonl(tmp_path / "in.jsonl.zst", records)
+    stats = tokenize_file(tmp_path / "in.jsonl.zst", tmp_path / "tok.jsonl.zst", tokenizer, max_seq_len=64)
+    out = list(read_jsonl(tmp_path / "tok.jsonl.zst"))
+    rendered = render_conversation(tokenizer, long)
+    assert (stats.cut_records, stats.cut_chars) == (1, len(rendered.text) - char_budget(tokenizer, 64))
+    assert out[0]["cut_chars"] == stats.cut_chars and len(out[0]["input_ids"]) == 64
+    assert out[0]["input_ids"] == tokenize_conversation(tokenizer, long).input_ids[:64]
+    assert "cut_chars" not in out[1]  # short records are tokenized whole
+    assert out[1]["input_ids"] == tokenize_conversation(tokenizer, short).input_ids
+
+    merged = tmp_path / "merged"
+    merge([("D", tmp_path / "tok.jsonl.zst")], MergeSettings.from_dict({"max_seq_len": 64, "min_eval_samples": 0,
+                                                                       "eval_fraction": 0}), merged)  # fmt: skip
+    manifest = json.loads((merged / "manifest.json").read_text())
+    assert manifest["datasets"]["D"]["cut_before_tokenize"] == {"records": 1, "chars": stats.cut_chars}
+    assert manifest["total"]["cut_before_tokenize"] == {"records": 1, "chars": stats.cut_chars}
+    assert manifest["datasets"]["D"]["all"]["truncated"] == 1 and manifest["datasets"]["D"]["all"]["samples"] == 2
+    # a merge with a larger max_seq_len than tokenize used cannot be exact: refused
+    with pytest.raises(DraftflowError, match="tokenize ran with a smaller max_seq_len"):
+        merge([("D", tmp_path / "tok.jsonl.zst")], MergeSettings.from_dict({"max_seq_len": 128}), tmp_path / "m2")
+
+
+def test_a_50_mb_record_is_tokenized_in_bounded_memory(tmp_path, fast_tokenizers):
+    """The report: one 50 MB record drove tokenize to 8.6 GB and no end. Run the CLI under a 2 GiB
+    address-space limit: it must finish, keep max_seq_len tokens and count the cut."""
+    fast_tokenizers["llama3"].save_pretrained(tmp_path / "tokenizer")
+    words = "The quick brown fox jumps over the lazy dog. Hello there!\n"
+    answer = words * (50_000_000 // len(words))
+    write_jsonl(tmp_path / "in.jsonl.zst", [{"id": "big-0", "dataset": "D", "messages": [
+        {"role": "user", "content": "Write a lot."}, {"role": "assistant", "content": answer}]}])  # fmt: skip
+    del answer
+    child = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+        "from draftflow import cli\n"
+        "rc = cli.main(sys.argv[1:])\n"
+        "print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        "sys.exit(rc)\n"
+    )
+    args = ["tokenize", "--input", str(tmp_path / "in.jsonl.zst"), "--tokenizer", str(tmp_path / "tokenizer"),
+            "--settings", '{"max_seq_len": 2048}', "--output", str(tmp_path / "out.jsonl.zst")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-c", child, *args], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (record,) = read_jsonl(tmp_path / "out.jsonl.zst")
+    assert len(record["input_ids"]) == len(record["loss_mask"]) == 2048
+    assert record["cut_chars"] > 49_000_000
+    assert "1 samples longer than the character budget were cut" in proc.stderr
+    maxrss_mb = int(proc.stdout.split("maxrss_kb")[1]) / 1024
+    assert maxrss_mb < 1200, f"peak memory {maxrss_mb:.0f} MB"
 
 
 def test_cli_override_template_for_tokenizer_without_one(tmp_path):

@@ -320,3 +320,85 @@ def test_a_two_process_run_killed_mid_run_resumes_on_one_process_with_the_same_g
     assert [r["step"] for r in resumed] == [r["step"] for r in reference]
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in reference], rtol=1e-5)
     assert json.loads((tmp_path / "out" / "eval.json").read_text())["world_size"] == 1
+
+
+# ---- integrity of what training reads (issue 12) ----------------------------------------------
+
+
+def private_world(world, tmp_path: Path) -> dict:
+    """The world's ranges and store, copied: a test may damage them (store roots are relative)."""
+    shutil.copytree(world["root"] / "hs", tmp_path / "hs")
+    moved = {split: [tmp_path / "hs" / split / d.name for d in world[split]] for split in ("train", "eval")}
+    return {**world, **moved}
+
+
+def store_file(range_dir: Path, position: int) -> tuple[str, str, Path]:
+    from draftflow.hidden_states.storage import read_range_index, store_root_of
+
+    meta, entries = read_range_index(range_dir)
+    e = entries[position]
+    return e.sample_id, e.key, SampleStore(store_root_of(range_dir, meta)).path(e.key)
+
+
+def test_a_flipped_byte_stops_training_naming_range_sample_key_and_repair(world, tmp_path):
+    w = private_world(world, tmp_path)
+    sample_id, key, path = store_file(w["train"][1], 2)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10  # the low mantissa plane, stored raw: decodes fine into wrong values
+    path.write_bytes(bytes(data))
+    with pytest.raises(DraftflowError) as err:
+        run_inprocess(w, tmp_path / "out", tmp_path / "state", {})
+    message = str(err.value)
+    assert str(w["train"][1]) in message and sample_id in message and key in message
+    assert f"draftflow verify --hidden-states {w['train'][1].parent} --repair" in message
+    assert "checksum" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_store_file_is_found_before_training_starts(world, tmp_path):
+    w = private_world(world, tmp_path)
+    sample_id, key, path = store_file(w["train"][0], 5)
+    path.unlink()
+    with pytest.raises(DraftflowError) as err:
+        run_inprocess(w, tmp_path / "out", tmp_path / "state", {})
+    message = str(err.value)
+    assert f"{w['train'][0]}: sample {sample_id}" in message and "no store file" in message
+    assert "--repair" in message
+    assert not list((tmp_path / "state").glob("run-*/ckpt/*")), "no step may run before the check"
+
+
+def test_on_bad_sample_skip_leaves_them_out_and_counts_them(world, tmp_path):
+    w = private_world(world, tmp_path)
+    missing_id, _, missing = store_file(w["train"][0], 5)
+    damaged_id, _, damaged = store_file(w["train"][1], 2)
+    eval_id, _, eval_damaged = store_file(w["eval"][0], 0)
+    missing.unlink()
+    for path in (damaged, eval_damaged):
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x10
+        path.write_bytes(bytes(data))
+    summary = run_inprocess(w, tmp_path / "out", tmp_path / "state", {"on_bad_sample": "skip"})
+    bad = summary["bad_samples"]
+    assert bad["policy"] == "skip"
+    assert bad["train"]["skipped_samples"] == 2
+    assert {s["sample_id"] for s in bad["train"]["skipped"]} == {missing_id, damaged_id}
+    assert [s["sample_id"] for s in bad["eval"]["skipped"]] == [eval_id]
+    assert json.loads((tmp_path / "out" / "eval.json").read_text())["bad_samples"] == bad
+
+
+def test_resume_key_is_the_samples_not_the_index_files(world, tmp_path):
+    """An extraction rerun that stores the same samples rewrites index.json (counts, timings):
+    training must resume its finished run, not start again."""
+    from draftflow.hidden_states.storage import read_range_index
+
+    w = private_world(world, tmp_path)
+    first = run_inprocess(w, tmp_path / "out", tmp_path / "state", {})
+    for d in w["train"] + w["eval"]:
+        meta, entries = read_range_index(d)
+        meta["counts"] = {"samples": len(entries), "computed": 0, "reused": len(entries)}
+        meta["timings"] = {"wall_s": 12.5}
+        write_range_index(d, entries, meta)
+    again = run_inprocess(w, tmp_path / "out2", tmp_path / "state", {})
+    assert again["fingerprint"] == first["fingerprint"]
+    assert len(list((tmp_path / "state").glob("run-*"))) == 1
+    assert train_rows(tmp_path / "out2") == train_rows(tmp_path / "out")  # resumed at the end: no new step

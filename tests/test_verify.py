@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import pytest
 import torch
 
 from draftflow import cli
-from draftflow.hidden_states.storage import SampleStore, encode_sample, read_header, read_range_index, sample_key, write_range_index
+from draftflow.errors import DraftflowError
+from draftflow.hidden_states.storage import (
+    SampleStore, checksum, encode_sample, read_header, read_range_index, sample_key, write_range_index,
+)  # fmt: skip
 from draftflow.hidden_states.verify import remove_bad_samples, verify_hidden_states
 from test_storage import build_ranges, make_sample
 
@@ -36,20 +41,24 @@ def test_single_flipped_byte_names_exactly_that_sample(tmp_path):
         assert report.bad[0].range.endswith("rows_0-3")
 
 
-def test_decode_catches_damage_that_happened_before_indexing(tmp_path):
-    """A file corrupted before its checksum went into the index: only --decode can see it."""
+def test_damage_before_indexing_is_caught_by_the_payload_checksum(tmp_path):
+    """A file damaged before its checksum went into an index: the header's payload checksum
+    sees it without decoding, --decode with the raw checksum too, and re-indexing refuses it."""
     hs, samples = build_ranges(tmp_path)
     range_dir = hs / "train" / "rows_3-5"
     meta, entries = read_range_index(range_dir)
     store = SampleStore(hs / "store")
     flip_byte(store.path(entries[1].key))  # the low-mantissa plane, stored raw
-    entries[1] = store.entry_for(entries[1].key, entries[1].sample_id)  # index agrees with the bad bytes
+    with pytest.raises(DraftflowError, match=rf"\(sample {entries[1].sample_id}\): payload checksum mismatch"):
+        store.entry_for(entries[1].key, entries[1].sample_id)  # extraction reusing it would stop here
+    data = store.get(entries[1].key)
+    entries[1] = dataclasses.replace(entries[1], checksum=checksum(data))  # an index agreeing with the bad bytes
     write_range_index(range_dir, entries, meta)
 
-    assert verify_hidden_states(hs, decode=False).ok
-    report = verify_hidden_states(hs, decode=True)
-    assert [b.sample_id for b in report.bad] == [entries[1].sample_id]
-    assert "checksum" in report.bad[0].reason
+    for decode in (False, True):
+        report = verify_hidden_states(hs, decode=decode)
+        assert [b.sample_id for b in report.bad] == [entries[1].sample_id]
+        assert "checksum" in report.bad[0].reason
 
 
 def test_non_finite_values_and_shape_mismatch_are_reported(tmp_path):

@@ -3,6 +3,8 @@ and which jobs a config change makes stale (read from Snakemake's own dry-run re
 
 from __future__ import annotations
 
+import csv
+import json
 import shutil
 import subprocess
 import sys
@@ -73,6 +75,48 @@ def test_invalid_config_fails_before_planning(workflow_copy):
     assert "datasets.chat.shards" in proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("layers", [4, 6])
+def test_small_builtin_target_plans_with_distinct_default_aux_ids(workflow_copy, layers):
+    """The builtin target's minimum depth (4) and 6 layers repeated default ids ([1, 1, 0], [1, 2, 2])."""
+    config = load_default_config()
+    config["target"]["builtin"] = {"num_hidden_layers": layers}
+    write_config(workflow_copy, config)
+    proc = snakemake(workflow_copy, "-n", "--configfile", "config/test.yaml", check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "build_target" in planned_jobs(proc.stdout)
+
+
+def test_nested_config_from_the_command_line_reaches_the_rules(workflow_copy):
+    proc = snakemake(workflow_copy, "-n", "-p", "--config", "train={draft_vocab_size: 100, learning_rate: 0.001}",
+                     "evaluate={draft_tokens: [2, 5]}", check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert '{"draft_vocab_size":100}' in proc.stdout  # the vocab rule's settings: a number, not "100"
+
+
+def test_unknown_key_on_the_command_line_gets_a_did_you_mean(workflow_copy):
+    proc = snakemake(workflow_copy, "-n", "--config", "train={learning_rat: 0.001}", check=False)
+    assert proc.returncode != 0
+    assert "train: unknown key 'learning_rat'; did you mean 'learning_rate'?" in proc.stdout + proc.stderr
+
+
+def test_a_target_after_configfile_is_reported_not_read_as_config(workflow_copy):
+    """README step 5 used to read `--configfile my.yaml results/merged/storage_plan.json`."""
+    write_config(workflow_copy, load_default_config(), "my.yaml")
+    plan = workflow_copy / "results" / "merged" / "storage_plan.json"
+    plan.parent.mkdir(parents=True)
+    plan.write_text('{"aux_layer_ids": [1, 3, 4], "ranges": {"train": []}, "total": {"tokens": 1}}')
+    proc = snakemake(workflow_copy, "-n", "--configfile", "config/my.yaml", "results/merged/storage_plan.json",
+                     check=False)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in out
+    assert "--configfile results/merged/storage_plan.json is not a draftflow config" in out
+    assert "name targets first" in out
+    # the README's form: the target first
+    plan.unlink()
+    proc = snakemake(workflow_copy, "-n", "results/merged/storage_plan.json", "--configfile", "config/my.yaml")
+    assert "plan_storage" in planned_jobs(proc.stdout)
+
+
 # ---- rerun reasons after a real run through merge ------------------------------------
 
 
@@ -83,12 +127,22 @@ def small_config() -> dict:
     for dataset in config["datasets"].values():
         dataset["max_samples"] = 12
     config["regenerate"]["max_new_tokens"] = 8
+    # one malformed line, skipped: its count must reach the manifest and stats.csv
+    config["datasets"]["flaky"] = {"path": "data/flaky.jsonl", "on_error": "skip"}
     return config
+
+
+FLAKY_LINES = [
+    {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]},
+    {"messages": [{"role": "bot", "content": "malformed role"}]},
+    {"messages": [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Because."}]},
+]
 
 
 @pytest.fixture(scope="module")
 def merged_workflow(tmp_path_factory):
     workdir = copy_workflow(tmp_path_factory.mktemp("merged") / "wf")
+    (workdir / "data" / "flaky.jsonl").write_text("".join(json.dumps(line) + "\n" for line in FLAKY_LINES))
     write_config(workdir, small_config())
     snakemake(workdir, "results/merged/manifest.json", "--configfile=config/test.yaml")
     return workdir
@@ -103,6 +157,18 @@ def _dry_run_after(workdir: Path, config: dict) -> dict[str, list[str]]:
 def test_nothing_to_do_after_a_run(merged_workflow):
     jobs = _dry_run_after(merged_workflow, small_config())
     assert jobs == {}, f"an unchanged config must plan no jobs, got {jobs}"
+
+
+def test_rejected_records_are_counted_in_manifest_and_stats(merged_workflow):
+    manifest = json.loads((merged_workflow / "results" / "merged" / "manifest.json").read_text())
+    assert manifest["datasets"]["flaky"]["rejected"] == 1
+    assert manifest["datasets"]["flaky"]["input_samples"] == 2
+    assert manifest["datasets"]["chat"]["rejected"] == 0
+    assert manifest["total"]["rejected"] == 1
+    with open(merged_workflow / "results" / "merged" / "stats.csv", newline="") as f:
+        rows = {(r["dataset"], r["split"]): r for r in csv.DictReader(f)}
+    assert rows[("flaky", "all")]["rejected"] == "1" and rows[("total", "all")]["rejected"] == "1"
+    assert rows[("flaky", "train")]["rejected"] == ""
 
 
 def test_merge_seed_reruns_merge_only(merged_workflow):

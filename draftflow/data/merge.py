@@ -12,12 +12,19 @@ the result does not depend on the Python version or on the order of other datase
 3. **truncation** to `max_seq_len`: `input_ids[:L]` and `loss_mask[:L]`. A token's
    mask depends only on its own role (assistant content or not), so the mask of the
    kept tokens is exactly the prefix; the loss-token count is recomputed from it and
-   a sample left with no loss token is **dropped** (it is in no split);
-4. the **eval split** by a hash of the id without `#k` (stable when datasets are
-   added, and the copies of one sample never straddle train and eval): eval when
-   hash < eval_fraction; when that gives fewer than `min_eval_samples` distinct
-   samples, the lowest hashes are taken, provided at least one sample is left for train;
+   a sample left with no loss token is **dropped** (it is in no split). A record that
+   tokenize already cut (`cut_chars`, its first L tokens exactly) counts as truncated,
+   and the manifest's `cut_before_tokenize` counts those records and characters;
+4. the **eval split** by `eval_hash` of the id without `#k`, a hash of the id alone
+   (no seed): a sample is in eval when its hash / 2^64 < eval_fraction, whatever
+   `seed`, the weights, caps, `max_seq_len` or the other datasets are, so the split
+   survives re-merges and seed changes, and the copies of one sample never straddle
+   train and eval. Only when that gives fewer than `min_eval_samples` distinct
+   samples are the next-lowest hashes added (provided at least one sample is left
+   for train); that top-up depends on which samples are present;
 5. each split is **shuffled** (sorted by a seeded hash of the instance id).
+
+Every other step depends on `seed`: rank = `sha256(seed, purpose, id)`.
 
 Outputs in `--out-dir`: train.jsonl and eval.jsonl (compact JSON, one record per
 line, byte-identical for the same inputs and seed), manifest.json (settings,
@@ -50,7 +57,7 @@ log = logging.getLogger(__name__)
 SPLITS = ("train", "eval")
 STATS_COLUMNS = (
     "dataset", "split", "samples", "tokens", "loss_tokens",
-    "min_len", "median_len", "mean_len", "max_len", "truncated", "dropped",
+    "min_len", "median_len", "mean_len", "max_len", "truncated", "dropped", "rejected",
 )  # fmt: skip
 TOTAL = "total"  # the `dataset` value of the summary rows in stats.csv
 
@@ -119,6 +126,15 @@ def seeded_hash(seed: int, purpose: str, key: str) -> int:
     return int.from_bytes(digest[:8], "big")
 
 
+def eval_hash(sample_id: str) -> int:
+    """The eval-split rank of a sample: the first 8 bytes of sha256("eval\\0" + id), big-endian.
+
+    Deliberately not seeded: changing `merge.seed` reshuffles but never moves a sample
+    between train and eval (a drafter's eval figures stay comparable across seeds).
+    """
+    return int.from_bytes(hashlib.sha256(f"eval\0{sample_id}".encode()).digest()[:8], "big")
+
+
 def base_id(sample_id: str) -> str:
     """The id without a repeat suffix: `B1-ab12#2` -> `B1-ab12`."""
     return sample_id.split("#", 1)[0]
@@ -137,6 +153,7 @@ class Sample:
     loss_tokens: int  # loss tokens kept
     truncated: bool
     offset: int  # into the spool; -1 for a sample without loss tokens (never written)
+    cut_chars: int = 0  # rendered characters tokenize never tokenized (bounded work per record)
 
 
 @dataclass(frozen=True)
@@ -196,6 +213,20 @@ def _check_record(record: Any, path: Path, line: int, dataset: str) -> None:
         raise DraftflowError(f"{where(path, line, 'loss_mask')}: values must be 0 or 1")
 
 
+def _cut_chars(record: dict, path: Path, line: int, max_seq_len: int) -> int:
+    """A record tokenize cut short holds its first max_seq_len tokens (of tokenize's max_seq_len)."""
+    cut_chars = record.get("cut_chars", 0)
+    if not isinstance(cut_chars, int) or cut_chars < 0:
+        raise DraftflowError(f"{where(path, line, 'cut_chars')}: must be a count of characters")
+    if cut_chars and len(record["input_ids"]) < max_seq_len:
+        raise DraftflowError(
+            f"{where(path, line)}: sample {record['id']} was cut to {len(record['input_ids'])} tokens by "
+            f"tokenize, fewer than merge.max_seq_len {max_seq_len}: tokenize ran with a smaller "
+            "max_seq_len; rerun tokenize with merge's"
+        )
+    return cut_chars
+
+
 def read_dataset(name: str, paths: Sequence[Path], max_seq_len: int, spool: Spool) -> list[Sample]:
     """Stream one dataset's shards (in order), truncate each record and spool its JSON."""
     samples = []
@@ -204,12 +235,13 @@ def read_dataset(name: str, paths: Sequence[Path], max_seq_len: int, spool: Spoo
             for line, record in enumerate(read_jsonl(path), start=1):
                 _check_record(record, path, line, name)
                 ids, mask = record["input_ids"], record["loss_mask"]
-                truncated = len(ids) > max_seq_len
+                cut_chars = _cut_chars(record, path, line, max_seq_len)
+                truncated = len(ids) > max_seq_len or cut_chars > 0
                 if truncated:
                     ids, mask = ids[:max_seq_len], mask[:max_seq_len]
                 loss = mask.count(1)
                 offset = spool.write(_dumps(ids), _dumps(mask)) if loss else -1
-                samples.append(Sample(record["id"], name, len(ids), loss, truncated, offset))
+                samples.append(Sample(record["id"], name, len(ids), loss, truncated, offset, cut_chars))
         except FileNotFoundError:
             raise DraftflowError(f"input shard {path} (dataset {name}) does not exist; run `tokenize` first") from None
         except ValueError as e:  # read_jsonl's "file:line: not valid JSON"
@@ -242,8 +274,8 @@ def apply_weight_and_cap(samples: Sequence[Sample], ds: DatasetSettings, seed: i
 
 
 def eval_ids(entries: Sequence[Entry], settings: MergeSettings) -> set[str]:
-    """Step 4: the base ids that go to eval."""
-    hashes = {e.sample.id: seeded_hash(settings.seed, "eval", e.sample.id) for e in entries}
+    """Step 4: the base ids that go to eval (independent of `settings.seed`)."""
+    hashes = {e.sample.id: eval_hash(e.sample.id) for e in entries}
     ranked = sorted(hashes, key=hashes.__getitem__)
     count = sum(h < settings.eval_fraction * 2**64 for h in hashes.values())
     if count < settings.min_eval_samples:
@@ -402,9 +434,29 @@ def group_inputs(inputs: Sequence[tuple[str, Path]]) -> dict[str, list[Path]]:
     return grouped
 
 
-def merge(inputs: Sequence[tuple[str, Path]], settings: MergeSettings, out_dir: Path) -> MergeResult:
-    """Run the whole stage: read the shards, write train/eval JSONL, manifest.json and stats.csv."""
+def count_rejects(rejects: Sequence[tuple[str, Path]]) -> dict[str, int]:
+    """Records `prepare` rejected per dataset: one JSON line per record in its rejects files."""
+    counts: dict[str, int] = {}
+    for name, path in rejects:
+        try:
+            with open(path, "rb") as f:
+                counts[name] = counts.get(name, 0) + sum(1 for line in f if line.strip())
+        except FileNotFoundError:
+            raise DraftflowError(f"rejects file {path} (dataset {name}) does not exist; run `prepare` first") from None
+    return counts
+
+
+def merge(
+    inputs: Sequence[tuple[str, Path]],
+    settings: MergeSettings,
+    out_dir: Path,
+    rejects: Sequence[tuple[str, Path]] = (),
+) -> MergeResult:
+    """Run the whole stage: read the shards, write train/eval JSONL, manifest.json and stats.csv.
+
+    `rejects`: (dataset, prepare's rejects file) pairs, counted into the manifest."""
     out_dir = Path(out_dir)
+    rejected = count_rejects(rejects)
     out_dir.mkdir(parents=True, exist_ok=True)
     spool = Spool(out_dir)
     try:
@@ -418,6 +470,11 @@ def merge(inputs: Sequence[tuple[str, Path]], settings: MergeSettings, out_dir: 
                 "input_samples": len(samples),
                 "selected": len(selected),
                 "dropped": len(selected) - len(with_loss),
+                "rejected": rejected.get(name, 0),
+                "cut_before_tokenize": {
+                    "records": sum(s.cut_chars > 0 for s in samples),
+                    "chars": sum(s.cut_chars for s in samples),
+                },
             }
             kept += with_loss
 
@@ -438,7 +495,7 @@ def merge(inputs: Sequence[tuple[str, Path]], settings: MergeSettings, out_dir: 
     finally:
         spool.close()
 
-    manifest = build_manifest(inputs, settings, splits, per_dataset, ranges)
+    manifest = build_manifest(inputs, settings, splits, per_dataset, ranges, rejects)
     write_json(out_dir / "manifest.json", manifest)
     write_stats_csv(out_dir / "stats.csv", stats_table(manifest))
     log_summary(manifest)
@@ -451,6 +508,7 @@ def build_manifest(
     splits: Mapping[str, Sequence[Entry]],
     per_dataset: Mapping[str, Mapping[str, int]],
     ranges: Mapping[str, Sequence[Range]],
+    rejects: Sequence[tuple[str, Path]] = (),
 ) -> dict[str, Any]:
     datasets = {}
     for name, counts in per_dataset.items():
@@ -458,6 +516,8 @@ def build_manifest(
         ds = settings.dataset(name)
         datasets[name] = {
             "input_samples": counts["input_samples"],
+            "rejected": counts["rejected"],
+            "cut_before_tokenize": counts["cut_before_tokenize"],
             "selected": counts["selected"],
             "weight": ds.weight,
             "max_merged": ds.max_merged,
@@ -474,10 +534,15 @@ def build_manifest(
             "datasets": {n: {"weight": d.weight, "max_merged": d.max_merged} for n, d in settings.datasets.items()},
         },
         "inputs": [{"dataset": name, "path": str(path)} for name, path in inputs],
+        "rejects": [{"dataset": name, "path": str(path)} for name, path in rejects],
         "files": {split: f"{split}.jsonl" for split in SPLITS},
         "datasets": datasets,
         "total": {
             "input_samples": sum(c["input_samples"] for c in per_dataset.values()),
+            "rejected": sum(c["rejected"] for c in per_dataset.values()),
+            "cut_before_tokenize": {
+                key: sum(c["cut_before_tokenize"][key] for c in per_dataset.values()) for key in ("records", "chars")
+            },
             "selected": sum(c["selected"] for c in per_dataset.values()),
             **{split: s.to_dict() for split, s in _stats_by_split(splits, total_dropped).items()},
         },
@@ -486,19 +551,32 @@ def build_manifest(
 
 
 def stats_table(manifest: Mapping[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
-    """{dataset or "total": {split or "all": stats}} from a manifest, for stats.csv."""
+    """{dataset or "total": {split or "all": stats}} from a manifest, for stats.csv.
+
+    `rejected` (source records `prepare` rejected) belongs to no split: it fills the "all" row."""
     rows = {name: ds for name, ds in manifest["datasets"].items()}
     rows[TOTAL] = manifest["total"]
-    return {name: {split: entry[split] for split in (*SPLITS, "all")} for name, entry in rows.items()}
+    return {
+        name: {
+            split: {**entry[split], "rejected": entry.get("rejected") if split == "all" else None}
+            for split in (*SPLITS, "all")
+        }
+        for name, entry in rows.items()
+    }
 
 
 def log_summary(manifest: Mapping[str, Any]) -> None:
     for name, ds in manifest["datasets"].items():
         log.info(
-            "%s: %d input -> %d selected (%d repeats, weight %g), %d truncated, %d dropped; train %d / eval %d",
-            name, ds["input_samples"], ds["selected"], ds["all"]["repeats"], ds["weight"],
+            "%s: %d input (%d rejected by prepare) -> %d selected (%d repeats, weight %g), %d truncated, "
+            "%d dropped; train %d / eval %d",
+            name, ds["input_samples"], ds["rejected"], ds["selected"], ds["all"]["repeats"], ds["weight"],
             ds["all"]["truncated"], ds["all"]["dropped"], ds["train"]["samples"], ds["eval"]["samples"],
         )  # fmt: skip
+        if ds["rejected"]:
+            log.warning("%s: %d malformed source records were rejected (prepare's rejects files)", name, ds["rejected"])
+        if not ds["input_samples"]:
+            log.warning("%s: no samples reached merge; the dataset contributes nothing", name)
     total = manifest["total"]
     log.info(
         "merged: train %d samples / %d tokens (%d ranges), eval %d samples / %d tokens (%d ranges)",
@@ -513,7 +591,7 @@ def log_summary(manifest: Mapping[str, Any]) -> None:
 def input_arg(text: str) -> tuple[str, Path]:
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--input must be DATASET=SHARD_FILE, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected DATASET=FILE, got {text!r}")
     return name, Path(path)
 
 
@@ -524,10 +602,14 @@ def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
         "--input", dest="inputs", action="append", type=input_arg, required=True, metavar="DATASET=SHARD_FILE",
         help="a tokenized shard of a dataset; repeat for every shard, in order",
     )  # fmt: skip
+    parser.add_argument(
+        "--rejects", action="append", type=input_arg, default=[], metavar="DATASET=REJECTS_FILE",
+        help="a prepare rejects file of a dataset (counted into the manifest); repeat for every shard",
+    )  # fmt: skip
     parser.add_argument("--settings", type=settings_arg, required=True, help="merge settings as a JSON object")
     parser.add_argument("--out-dir", type=Path, required=True, help="folder for train/eval JSONL, manifest, stats")
 
 
 def main(args: argparse.Namespace) -> int:
-    merge(args.inputs, MergeSettings.from_dict(args.settings), args.out_dir)
+    merge(args.inputs, MergeSettings.from_dict(args.settings), args.out_dir, args.rejects)
     return 0

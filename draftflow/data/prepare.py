@@ -17,7 +17,8 @@ that only calls tools).
 
 Every shard job reads the whole source: records are validated and deduplicated in
 source order, `max_samples` keeps the first N valid unique ones, and the k-th kept
-record goes to shard k % shards. A malformed record either stops the job (on_error:
+record goes to shard k % shards. A malformed record (also a JSONL line that is not UTF-8,
+named by line and absolute byte offset in the decompressed text) either stops the job (on_error:
 fail) with its file, location and field, or (on_error: skip) goes to the rejects file
 of shard (position % shards) as `{"line"|"record", "field", "reason", "raw"}`, where
 "line" is the 1-based JSONL line and "record" the 0-based index in a JSON list,
@@ -35,7 +36,7 @@ import logging
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import zstandard
 
@@ -182,42 +183,75 @@ def open_source(path: Path, split: str | None = None) -> Source:
     )
 
 
-def _open_text(path: Path) -> io.TextIOBase:
+def _open_binary(path: Path) -> io.BufferedIOBase:
+    """The file's (decompressed) bytes; lines are decoded one by one, so that a bad byte is
+    located by line and absolute offset rather than by a decoder's buffer position."""
     if path.name.endswith(".zst"):
         raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
-        return io.TextIOWrapper(raw, encoding="utf-8")
+        return io.BufferedReader(raw)
     if path.name.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return gzip.open(path, "rb")
+    return open(path, "rb")
 
 
-def _read_text_lines(path: Path) -> Iterator[str]:
+@dataclass(frozen=True)
+class TextLine:
+    index: int  # 0-based line index (line number - 1)
+    offset: int  # byte offset of the line's first byte (in the decompressed stream)
+    text: str  # the decoded line; with `error` set, bad bytes replaced by U+FFFD
+    error: str | None = None  # "not UTF-8 …" with the absolute byte offset
+
+
+def _decode_line(path: Path, index: int, offset: int, raw: bytes) -> TextLine:
     try:
-        with _open_text(path) as f:
-            yield from f
+        return TextLine(index, offset, raw.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise DraftflowError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        stream = " of the decompressed text" if path.name.endswith((".zst", ".gz")) else ""
+        error = (
+            f"not UTF-8: {e.reason} at byte {offset + e.start}{stream} "
+            f"(byte {e.start + 1} of the line: {raw[e.start:e.end]!r}); "
+            "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        )
+        return TextLine(index, offset, raw.decode("utf-8", errors="replace"), error)
 
 
-def _read_jsonl_lines(lines) -> Iterator[SourceRecord]:
-    for index, line in enumerate(lines):
-        if not line.strip():
+def _read_text_lines(path: Path) -> Iterator[TextLine]:
+    """Every line of a text file (split at b"\\n", as line numbers in editors count)."""
+    offset = 0
+    with _open_binary(path) as f:
+        for index, raw in enumerate(f):
+            yield _decode_line(path, index, offset, raw)
+            offset += len(raw)
+
+
+def _read_jsonl_lines(lines: Iterable[TextLine]) -> Iterator[SourceRecord]:
+    for line in lines:
+        if line.error is not None:  # a record like any malformed one: on_error decides
+            yield SourceRecord(line.index, line.text.rstrip("\r\n"), line.error)
+            continue
+        if not line.text.strip():
             continue  # blank lines are not records (but still count as lines)
-        text = line.rstrip("\r\n")
+        text = line.text.rstrip("\r\n")
         try:
-            yield SourceRecord(index, json.loads(text))
+            yield SourceRecord(line.index, json.loads(text))
         except json.JSONDecodeError as e:
-            yield SourceRecord(index, text, f"not valid JSON ({e.msg} at column {e.colno})")
+            yield SourceRecord(line.index, text, f"not valid JSON ({e.msg} at column {e.colno})")
 
 
 def _open_json(path: Path) -> Source:
-    text = "".join(_read_text_lines(path))
+    lines = list(_read_text_lines(path))
+    bad = next((line for line in lines if line.error is not None), None)
+    text = "".join(line.text for line in lines)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # one object per line: JSONL under a .json name
-            return Source(path, "jsonl", _read_jsonl_lines(text.splitlines()))
+            return Source(path, "jsonl", _read_jsonl_lines(lines))
+        if bad is not None:
+            raise DraftflowError(f"{where(path, bad.index + 1)}: {bad.error}") from None
         raise DraftflowError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if bad is not None:  # one JSON document: a bad byte cannot be skipped as a record
+        raise DraftflowError(f"{where(path, bad.index + 1)}: {bad.error}")
     if isinstance(data, dict):
         key = next((k for k in JSON_LIST_KEYS if isinstance(data.get(k), list)), None)
         if key is None:
@@ -565,7 +599,8 @@ def prepare_shard(
     output: str | Path,
     rejects: str | Path,
 ) -> PrepareStats:
-    """Write shard `shard` of `dataset` to `output` (always, even if empty) and its rejects."""
+    """Write shard `shard` of `dataset` to `output` and its rejects; an empty dataset is an error
+    under on_error: fail, an empty output (with a warning) under skip."""
     if not 0 <= shard < settings.shards:
         raise DraftflowError(f"dataset {dataset}: shard {shard} does not exist (shards: {settings.shards})")
     source = open_source(resolve_source(dataset, settings.path), settings.split)
@@ -608,6 +643,13 @@ def prepare_shard(
             stats.kept += 1
 
     write_jsonl(output, shard_records())
+    if stats.kept == 0 and settings.on_error == "fail":
+        Path(output).unlink(missing_ok=True)  # no output: the job failed
+        raise DraftflowError(
+            f"dataset {dataset}: {source.path} holds no records ({stats.read} read); an empty dataset is "
+            f"an error under on_error: fail. Check datasets.{dataset}.path (and split), or set "
+            f"datasets.{dataset}.enabled: false"
+        )
     stats.rejects_written = write_jsonl(rejects, reject_entries)
     log.info(
         "%s shard %d/%d from %s: read %d records, kept %d, duplicates %d, rejected %d; "
@@ -615,8 +657,11 @@ def prepare_shard(
         dataset, shard, settings.shards, source.path, stats.read, stats.kept, stats.duplicates,
         stats.rejected, stats.written, output, stats.rejects_written, rejects, time.monotonic() - started,
     )
-    if stats.kept == 0:
-        log.warning("%s: no valid records in %s; shard %d is empty", dataset, source.path, shard)
+    if stats.kept == 0:  # on_error: skip
+        log.warning(
+            "%s: no valid records in %s (%d read, %d rejected); the dataset is empty",
+            dataset, source.path, stats.read, stats.rejected,
+        )  # fmt: skip
     return stats
 
 

@@ -32,29 +32,28 @@ import hashlib
 import json
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from draftflow.progress import Progress
 from draftflow.engines.generation import (
     GenerationEngine,
     GenerationRequest,
     GenerationResult,
     make_generation_engine,
 )
+from draftflow.config import OPERATIONAL_KEYS as _OPERATIONAL
 from draftflow.errors import DraftflowError, where
 from draftflow.jsonl import fsync_dir, read_jsonl, write_jsonl
 
 log = logging.getLogger(__name__)
 
 PARTIAL_FORMAT = 1
-# Settings that change how outputs are computed, not what they are: a resume may change them.
-OPERATIONAL_KEYS = {"device"}
-OPERATIONAL_OPENAI_KEYS = {
-    "endpoints", "api_key_env", "concurrency", "timeout_s", "max_retries", "backoff_s",
-    "max_consecutive_failures",
-}
+# Settings that change how outputs are computed, not what they are: a resume may change them
+# (one table for the resume key and the rule's params: draftflow.config.OPERATIONAL_KEYS).
+OPERATIONAL_KEYS = {k for k in _OPERATIONAL["regenerate"] if "." not in k}
+OPERATIONAL_OPENAI_KEYS = {k.removeprefix("openai.") for k in _OPERATIONAL["regenerate"] if k.startswith("openai.")}
 ROLES = {"system", "user", "assistant", "tool"}
 
 
@@ -299,25 +298,6 @@ class PartialFile:
 # ---- the stage -----------------------------------------------------------------------------
 
 
-class Progress:
-    """Logs samples done / total, rate and ETA at most every `every_s` seconds."""
-
-    def __init__(self, total: int, done: int, every_s: float = 10.0):
-        self.total, self.done, self.every_s = total, done, every_s
-        self.started_done = done
-        self.started = self.last = time.monotonic()
-
-    def update(self, samples: int) -> None:
-        self.done += samples
-        now = time.monotonic()
-        if now - self.last < self.every_s and self.done < self.total:
-            return
-        self.last = now
-        rate = (self.done - self.started_done) / max(now - self.started, 1e-9)
-        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-        log.info("regenerated %d/%d samples (%.2f samples/s, ETA %.0fs)", self.done, self.total, rate, eta)
-
-
 def target_fingerprint(target_dir: Path) -> str:
     if (Path(target_dir) / "config.json").is_file():
         from draftflow.target import target_identity
@@ -358,7 +338,7 @@ def regenerate_shard(
     if partial.groups:
         log.info("resuming: %d of %d samples already done (%s)", resumed, len(records), partial.path)
 
-    progress = Progress(len(records), resumed)
+    progress = Progress(len(records), "samples", every_s=10.0, resumed=resumed, logger=log)
     stats = GroupStats()
     engine: GenerationEngine | None = None
     try:
@@ -370,7 +350,7 @@ def regenerate_shard(
             outputs, group_stats = regenerate_group(group, engine, config)
             partial.append(index, outputs)
             stats.add(group_stats)
-            progress.update(len(group))
+            progress.update(advance=len(group))
     finally:
         if engine is not None:
             engine.close()

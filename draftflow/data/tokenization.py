@@ -23,6 +23,16 @@ How the assistant spans are found, for any template, without knowing its tokens:
 3. Map the character spans to tokens: a fast tokenizer encodes the whole text once and its
    offsets say which tokens overlap a span; a slow or remote-code tokenizer (no offsets)
    encodes the text segment by segment, cut at span boundaries, and concatenates.
+
+Bounded work per record: `merge` keeps only the first `max_seq_len` tokens, so a rendered
+text longer than a character budget, (max_seq_len + CUT_SLACK_TOKENS) x the tokenizer's
+longest token in characters, is tokenized only up to the budget (`tokenize_bounded`). A
+prefix of a text tokenizes like the text except near its end (pre-tokenizers split text
+into words, and a cut changes only the last of them), and the first `max_seq_len` tokens
+are kept only once a cut at twice the budget gives the same ids and mask (else the budget
+doubles): they and their mask are those of the whole text (tests compare against whole
+texts for four chat styles, fast and slow tokenizers). The record then carries
+`cut_chars`, the rendered characters never tokenized, and merge counts it as truncated.
 """
 
 from __future__ import annotations
@@ -47,6 +57,8 @@ PROGRESS_EVERY_S = 10.0
 # encoded whole, to warn when the two differ (e.g. a tokenizer that adds a prefix space to
 # every call). Checking every sample would double the cost of the slow path.
 SEGMENT_CHECK_SAMPLES = 8
+# Tokens tokenized past max_seq_len before a cut text's prefix is compared with a longer cut.
+CUT_SLACK_TOKENS = 16
 
 
 class ChatTemplateError(DraftflowError):
@@ -292,6 +304,46 @@ def tokenize_rendered(tokenizer, rendered: RenderedConversation) -> TokenizedSam
     return mask_by_segments(tokenizer, rendered.text, rendered.spans)
 
 
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token can stand for: its longest vocabulary string (a byte-level
+    token's string has one character per byte, so at least as many as the text it encodes)."""
+    return max(1, max((len(t) for t in tokenizer.get_vocab()), default=1))
+
+
+def char_budget(tokenizer, max_seq_len: int) -> int:
+    """Characters of rendered text that always hold max_seq_len + CUT_SLACK_TOKENS tokens."""
+    return (max_seq_len + CUT_SLACK_TOKENS) * longest_token_chars(tokenizer)
+
+
+def _cut(rendered: RenderedConversation, limit: int) -> RenderedConversation:
+    spans = [(s, min(e, limit)) for s, e in rendered.spans if s < limit]
+    return RenderedConversation(rendered.text[:limit], spans)
+
+
+def _prefix(sample: TokenizedSample, length: int) -> TokenizedSample:
+    return TokenizedSample(sample.input_ids[:length], sample.loss_mask[:length])
+
+
+def tokenize_bounded(
+    tokenizer, rendered: RenderedConversation, max_seq_len: int | None, budget: int | None
+) -> tuple[TokenizedSample, int]:
+    """(sample, characters never tokenized): the whole text when it fits in `budget` characters,
+    else its first `max_seq_len` tokens and their mask, exactly as the whole text gives them."""
+    if max_seq_len is None or budget is None or len(rendered.text) <= budget:
+        return tokenize_rendered(tokenizer, rendered), 0
+    limit = budget
+    sample = tokenize_rendered(tokenizer, _cut(rendered, limit))
+    while True:
+        if 2 * limit >= len(rendered.text):  # short enough to tokenize whole; merge truncates
+            return tokenize_rendered(tokenizer, rendered), 0
+        longer = tokenize_rendered(tokenizer, _cut(rendered, 2 * limit))
+        # Enough tokens before the cut, and a cut twice as far changes none of the kept ones.
+        enough = len(sample.input_ids) >= max_seq_len + CUT_SLACK_TOKENS
+        if enough and _prefix(sample, max_seq_len) == _prefix(longer, max_seq_len):
+            return _prefix(sample, max_seq_len), len(rendered.text) - limit
+        limit, sample = 2 * limit, longer
+
+
 def tokenize_conversation(
     tokenizer, messages: list[dict], tools: list[dict] | None = None, chat_template: str | None = None
 ) -> TokenizedSample:
@@ -310,17 +362,23 @@ def tokenize_conversation(
 class TokenizeSettings:
     chat_template: str | None = None  # path to a Jinja file overriding the tokenizer's template
     trust_remote_code: bool = False
+    max_seq_len: int | None = None  # merge.max_seq_len: bounds the work per record; None: no bound
 
     @classmethod
     def from_dict(cls, settings: dict[str, Any]) -> TokenizeSettings:
-        unknown = set(settings) - {"chat_template", "trust_remote_code"}
+        unknown = set(settings) - {"chat_template", "trust_remote_code", "max_seq_len"}
         if unknown:
             raise DraftflowError(
                 f"tokenize --settings: unknown key(s) {sorted(unknown)}; expected "
-                "'chat_template' (path or null) and 'trust_remote_code' (bool)"
+                "'chat_template' (path or null), 'trust_remote_code' (bool) and 'max_seq_len' (int or null)"
             )
         chat_template = settings.get("chat_template")
         trust_remote_code = settings.get("trust_remote_code", False)
+        max_seq_len = settings.get("max_seq_len")
+        if max_seq_len is not None and (type(max_seq_len) is not int or max_seq_len < 1):
+            raise DraftflowError(
+                f"tokenize --settings: 'max_seq_len' must be a positive integer or null, not {max_seq_len!r}"
+            )
         if chat_template is not None and not isinstance(chat_template, str):
             raise DraftflowError(
                 f"tokenize --settings: 'chat_template' must be a path or null, not {chat_template!r}"
@@ -329,7 +387,7 @@ class TokenizeSettings:
             raise DraftflowError(
                 f"tokenize --settings: 'trust_remote_code' must be true or false, not {trust_remote_code!r}"
             )
-        return cls(chat_template=chat_template, trust_remote_code=trust_remote_code)
+        return cls(chat_template=chat_template, trust_remote_code=trust_remote_code, max_seq_len=max_seq_len)
 
     def read_chat_template(self) -> str | None:
         if self.chat_template is None:
@@ -373,6 +431,8 @@ class TokenizeStats:
     trainable_tokens: int = 0
     seconds: float = 0.0
     segment_mismatches: int = 0  # slow path: checked samples whose piecewise ids differ
+    cut_records: int = 0  # written samples whose rendered text was cut before tokenizing
+    cut_chars: int = 0  # rendered characters of those never tokenized
 
     @property
     def tokens_per_second(self) -> float:
@@ -410,10 +470,14 @@ def _read_records(path: Path) -> Iterator[Any]:
 
 
 def tokenize_records(
-    input_path: Path, tokenizer, chat_template: str | None, stats: TokenizeStats
+    input_path: Path, tokenizer, chat_template: str | None, stats: TokenizeStats, max_seq_len: int | None = None
 ) -> Iterator[dict]:
-    """Yield the tokenized records of a conversation file; samples with no trainable token are dropped."""
+    """Yield the tokenized records of a conversation file; samples with no trainable token are dropped.
+
+    With `max_seq_len`, a record longer than the character budget is tokenized only as far as
+    merge keeps it (module docstring) and carries `cut_chars`."""
     fast = getattr(tokenizer, "is_fast", False)
+    budget = char_budget(tokenizer, max_seq_len) if max_seq_len is not None else None
     started = last_report = time.monotonic()
     # Our writers put one record per line, so the record number is the line number.
     for line, record in enumerate(_read_records(input_path), start=1):
@@ -422,12 +486,20 @@ def tokenize_records(
             rendered = render_conversation(tokenizer, record["messages"], record.get("tools"), chat_template)
         except ChatTemplateError as e:
             raise ChatTemplateError(f"{where(input_path, line)}: sample {record['id']}: {e}") from None
-        sample = tokenize_rendered(tokenizer, rendered)
-        if not fast and stats.conversations < SEGMENT_CHECK_SAMPLES:
+        sample, cut_chars = tokenize_bounded(tokenizer, rendered, max_seq_len, budget)
+        if not fast and not cut_chars and stats.conversations < SEGMENT_CHECK_SAMPLES:
             if tokenizer.encode(rendered.text, add_special_tokens=False) != sample.input_ids:
                 stats.segment_mismatches += 1
         stats.conversations += 1
-        if sample.num_trainable == 0:
+        if cut_chars:
+            stats.cut_records += 1
+            stats.cut_chars += cut_chars
+            log.info(
+                "%s: sample %s: %d rendered characters, cut to %d before tokenizing (merge keeps %d tokens)",
+                where(input_path, line), record["id"], len(rendered.text), len(rendered.text) - cut_chars,
+                max_seq_len,
+            )  # fmt: skip
+        elif sample.num_trainable == 0:
             stats.dropped_no_trainable += 1
             log.debug("%s: sample %s has no assistant output: dropped", where(input_path, line), record["id"])
             continue
@@ -442,18 +514,27 @@ def tokenize_records(
                 stats.tokens,
                 stats.tokens / (last_report - started),
             )
-        yield {
+        out = {
             "id": record["id"],
             "dataset": record["dataset"],
             "input_ids": sample.input_ids,
             "loss_mask": sample.loss_mask,
         }
+        if cut_chars:  # merge counts the sample as truncated (it keeps every token given)
+            out["cut_chars"] = cut_chars
+        yield out
 
 
 def tokenize_file(
-    input_path: str | Path, output_path: str | Path, tokenizer, chat_template: str | None = None
+    input_path: str | Path,
+    output_path: str | Path,
+    tokenizer,
+    chat_template: str | None = None,
+    max_seq_len: int | None = None,
 ) -> TokenizeStats:
-    """Tokenize a conversation shard (JSONL(.zst)) into a token shard, atomically."""
+    """Tokenize a conversation shard (JSONL(.zst)) into a token shard, atomically.
+
+    `max_seq_len` (merge's) bounds the work per record; None tokenizes every text whole."""
     input_path, output_path = Path(input_path), Path(output_path)
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise DraftflowError(
@@ -461,7 +542,7 @@ def tokenize_file(
         )
     stats = TokenizeStats()
     started = time.monotonic()
-    write_jsonl(output_path, tokenize_records(input_path, tokenizer, chat_template, stats))
+    write_jsonl(output_path, tokenize_records(input_path, tokenizer, chat_template, stats, max_seq_len))
     stats.seconds = time.monotonic() - started
     _log_summary(input_path, stats)
     return stats
@@ -481,6 +562,12 @@ def _log_summary(input_path: Path, stats: TokenizeStats) -> None:
         stats.seconds,
         stats.tokens_per_second,
     )
+    if stats.cut_records:
+        log.info(
+            "%s: %d samples longer than the character budget were cut before tokenizing "
+            "(%d characters not tokenized; merge truncates them to max_seq_len anyway)",
+            input_path, stats.cut_records, stats.cut_chars,
+        )  # fmt: skip
     if stats.segment_mismatches:
         log.warning(
             "%d of the first %d samples tokenize differently in pieces than whole: this tokenizer "
@@ -501,7 +588,7 @@ def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
         "--settings",
         type=settings_arg,
         default={},
-        help='JSON: {"chat_template": path|null, "trust_remote_code": bool}',
+        help='JSON: {"chat_template": path|null, "trust_remote_code": bool, "max_seq_len": int|null}',
     )
     parser.add_argument("--output", required=True, type=Path, help="token shard (.jsonl[.zst])")
 
@@ -510,5 +597,5 @@ def main(args: argparse.Namespace) -> int:
     settings = TokenizeSettings.from_dict(args.settings)
     chat_template = settings.read_chat_template()
     tokenizer = load_tokenizer(args.tokenizer, settings.trust_remote_code)
-    tokenize_file(args.input, args.output, tokenizer, chat_template)
+    tokenize_file(args.input, args.output, tokenizer, chat_template, settings.max_seq_len)
     return 0

@@ -45,6 +45,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 # 2: extra layers are `layers.{i}` and carry the residual (1: `additional_layers.*`, restarted)
 FORMAT_VERSION = 2
 SUPPORTED_ROPE = ("default", "linear", "llama3")
+VARIANT_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
 
 
 # ---------------------------------------------------------------- config
@@ -86,6 +87,10 @@ class Eagle3Config:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
     ttt_steps: int = 7
+    # speculators' EAGLE-3 variants (its config names; all off = SGLang's LlamaForCausalLMEagle3):
+    norm_before_fc: bool = False  # RMSNorm over cat(aux) [n_aux*H] before fc (`input_norm.weight`)
+    norm_before_residual: bool = False  # first layer's residual is hidden_norm(h), not h
+    norm_output: bool = False  # feed back norm(out) (what the LM head reads) instead of out
     target: str = ""  # target identity (draftflow.target.target_identity)
     target_path: str = ""  # where the target (and so the embedding) was read from
     extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance
@@ -160,6 +165,8 @@ class Eagle3Config:
                 "target_path": self.target_path,
                 **self.extra,
             },
+            # written only when on, so a plain drafter's config.json stays SGLang's
+            **{k: True for k in VARIANT_FLAGS if getattr(self, k)},
         }
 
     @classmethod
@@ -191,6 +198,7 @@ class Eagle3Config:
             rope_scaling=scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             ttt_steps=ours.get("ttt_steps", 7),
+            **{k: bool(d.get(k, False)) for k in VARIANT_FLAGS},
             target=ours.get("target", ""),
             target_path=ours.get("target_path", ""),
             extra={k: v for k, v in ours.items() if k not in known},
@@ -293,10 +301,12 @@ class MidLayer(nn.Module):
         self.self_attn = Attention(cfg, 2 * cfg.hidden_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.norm_before_residual = cfg.norm_before_residual
 
     def forward(self, embeds, hidden, cos, sin, cache, layer: int):
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        residual = hidden + self.self_attn(x, cos, sin, cache, layer)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        residual = (normed if self.norm_before_residual else hidden) + self.self_attn(x, cos, sin, cache, layer)
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
 
@@ -444,6 +454,8 @@ class Eagle3Drafter(nn.Module):
         H = cfg.hidden_size
         self.embed_tokens = FrozenEmbedding(cfg.vocab_size, H)  # set it from the target before use
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * H, H, bias=False)
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(len(cfg.aux_layer_ids) * H, cfg.rms_norm_eps)
         self.midlayer = MidLayer(cfg)
         # keyed "1", "2", …: state-dict names `layers.{i}.*` are SGLang's `model.layers.{i}.*`
         self.layers = nn.ModuleDict({str(i): ExtraLayer(cfg) for i in range(1, cfg.num_hidden_layers)})
@@ -486,6 +498,8 @@ class Eagle3Drafter(nn.Module):
             aux = aux.flatten(-2)
         if not torch.is_autocast_enabled(aux.device.type):
             aux = aux.to(self.fc.weight.dtype)  # e.g. bf16 stored states into an fp32 CPU model
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)
         return self.fc(aux)
 
     def forward_hidden(
@@ -498,7 +512,8 @@ class Eagle3Drafter(nn.Module):
         for i, layer in self.layers.items():
             x, residual = layer(x, residual, cos, sin, cache, int(i))
         out = x + residual  # pre-norm: fed back as the next draft step's hidden state
-        return self.lm_head(self.norm(out)), out
+        normed = self.norm(out)
+        return self.lm_head(normed), (normed if self.config.norm_output else out)
 
     def step(
         self,

@@ -10,7 +10,9 @@ The command depends on where it runs:
   first host: `torchrun --nnodes N --nproc-per-node P --rdzv-backend c10d
   --rdzv-endpoint <first host>:<port> --rdzv-id <job id> …`.
 
-P is the GPUs per node, or, with 0 GPUs, the number of CPU processes (gloo backend).
+P is the GPUs per node, or, with 0 GPUs, the number of CPU processes (gloo backend). The
+job's CPU threads (`draftflow --threads N`) are shared by the node's P processes: each gets
+N // P (at least 1), through $DRAFTFLOW_THREADS and the OpenMP/MKL variables.
 torchrun is run as `<this python> -m torch.distributed.run` so that every node uses the
 same environment as the caller. The launcher exports `DRAFTFLOW_DIST_BACKEND` (`nccl` with
 GPUs, `gloo` without) for the trainer's `torch.distributed.init_process_group`.
@@ -38,6 +40,7 @@ import sys
 from typing import Mapping, Sequence
 
 from draftflow.errors import DraftflowError
+from draftflow.threads import default_threads, per_process, thread_env
 
 log = logging.getLogger(__name__)
 
@@ -239,8 +242,11 @@ def main(args: argparse.Namespace) -> int:
     if args.print:
         print(f"{BACKEND_ENV}={backend} {shlex.join(cmd)}")
         return 0
-    log.info("launching: %s", shlex.join(cmd))
-    env = {**os.environ, BACKEND_ENV: backend}
+    nprocs = args.gpus_per_node if args.gpus_per_node > 0 else args.cpu_procs
+    # the job's threads, shared by this node's processes
+    threads = per_process(getattr(args, "threads", None) or default_threads(), nprocs)
+    log.info("launching: %s (%d CPU thread(s) per process)", shlex.join(cmd), threads)
+    env = {**os.environ, **thread_env(threads), BACKEND_ENV: backend}
     # Replace this process: signals (Snakemake cancelling the job, scancel) reach
     # torchrun / srun directly, and the exit status is theirs.
     sys.stdout.flush()
@@ -271,7 +277,8 @@ def _allreduce_check() -> None:
     expected = world * (world - 1) // 2
     line = (
         f"rank {rank}/{world} on {socket.gethostname()} backend={backend} "
-        f"local_rank={os.environ.get('LOCAL_RANK')} allreduce_sum={int(total)} "
+        f"local_rank={os.environ.get('LOCAL_RANK')} threads={torch.get_num_threads()} "
+        f"allreduce_sum={int(total)} "
         f"expected={expected}\n"
     )
     os.write(1, line.encode())  # one write: lines of concurrent ranks never interleave

@@ -40,16 +40,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from draftflow.config import OPERATIONAL_KEYS
+from draftflow.drafters.eagle3 import VARIANT_FLAGS, Eagle3Config, Eagle3Drafter
+from draftflow.drafters.losses import LOSSES
 from draftflow.errors import DraftflowError, reject_unknown_keys, where
-from draftflow.jsonl import atomic_path, fsync_dir, read_json, write_json
+from draftflow.jsonl import atomic_path, file_mode, fsync_dir, read_json, write_json
+from draftflow.progress import Progress as ProgressLog
+from draftflow.threads import default_threads, split_threads
 from draftflow.drafters.ttt import STAT_ROWS, TargetHead, TTTObjective, step_token_counts, summarize
 from draftflow.drafters.vocab import DraftVocab, load_vocab
 
 log = logging.getLogger(__name__)
 
-# Settings that change how a run reports, not what it computes: left out of the fingerprint.
-OPERATIONAL = {"num_workers", "log_every_steps", "save_every_steps", "eval_every_steps", "compile"}
+# Settings that change how a run reports, not what it computes: left out of the fingerprint
+# (and of the rule's rerun-triggering params: draftflow.config.OPERATIONAL_KEYS["train"]).
+OPERATIONAL = OPERATIONAL_KEYS["train"]
 # How the global batch is spread over processes: the fingerprint keeps only their product
 # (micro-batches per optimizer step), so a checkpoint resumes on another number of GPUs.
 PLACEMENT = {"gpus", "nodes", "grad_accum", "fsdp"}
@@ -69,6 +74,11 @@ class TrainSettings:
     draft_vocab_size: int = 32000
     ttt_steps: int = 7
     step_weight_decay: float = 0.8
+    loss: str = "soft_ce"  # a name of drafters.losses.LOSSES
+    # speculators' EAGLE-3 recipe norms (drafters.eagle3.VARIANT_FLAGS); all off = SGLang's layout
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
     epochs: float = 1.0
     batch_tokens: int = 8192
     learning_rate: float = 1e-4
@@ -85,6 +95,7 @@ class TrainSettings:
     fsdp: bool = False
     compile: bool | str = "auto"  # torch.compile norms, MLPs and the loss: "auto" = on CUDA only
     grad_accum: int = 1  # micro-batches per rank per optimizer step
+    on_bad_sample: str = "fail"  # a missing or damaged stored sample: stop (fail) or leave it out and count (skip)
 
     @classmethod
     def from_dict(cls, settings: dict) -> "TrainSettings":
@@ -101,6 +112,10 @@ class TrainSettings:
             )
         if s.compile not in ("auto", True, False):
             raise DraftflowError(f"train --settings: 'compile' must be auto, true or false, got {s.compile!r}")
+        if s.loss not in LOSSES:
+            raise DraftflowError(f"train --settings: 'loss' must be one of {', '.join(LOSSES)}, got {s.loss!r}")
+        if s.on_bad_sample not in ("fail", "skip"):
+            raise DraftflowError(f"train --settings: 'on_bad_sample' must be fail or skip, got {s.on_bad_sample!r}")
         if s.schedule not in ("cosine", "linear", "constant"):
             raise DraftflowError(f"train --settings: 'schedule' must be cosine, linear or constant, got {s.schedule!r}")
         for name in ("ttt_steps", "batch_tokens", "grad_accum", "num_hidden_layers", "log_every_steps"):
@@ -127,6 +142,7 @@ class Batch:
     final: torch.Tensor  # [B, T, H], stored dtype
     step_tokens: torch.Tensor  # [ttt_steps] int64: loss tokens per TTT step (for global normalization)
     tokens: int  # real (unpadded) tokens
+    bad: tuple = ()  # storage.BadRead of samples that could not be read (left out of the tensors)
 
     def pin_memory(self) -> "Batch":
         return dataclasses.replace(self, **{k: getattr(self, k).pin_memory() for k in _TENSORS})
@@ -140,28 +156,40 @@ class Batch:
 _TENSORS = ("input_ids", "loss_mask", "aux", "final", "step_tokens")
 
 
-def collate(samples: list, ttt_steps: int) -> Batch:
-    """storage.Sample list -> Batch, padded to the longest sample."""
-    B, T = len(samples), max(s.input_ids.shape[0] for s in samples)
-    first = samples[0].hidden  # [T, L, H]
-    L, H = first.shape[1], first.shape[2]
+def collate(reads: list, ttt_steps: int, sample_shape: tuple | None = None) -> Batch:
+    """storage.Sample (or BadRead) list -> Batch of the samples, padded to the longest; bad reads in `bad`.
+
+    A micro-batch whose every sample is bad becomes one 1-token row without loss tokens
+    (`sample_shape` = (L, H, dtype name)), so every process still runs its step.
+    """
+    from draftflow.hidden_states.storage import DTYPES, BadRead
+
+    bad = tuple(r for r in reads if isinstance(r, BadRead))
+    samples = [r for r in reads if not isinstance(r, BadRead)]
+    if samples:
+        B, T = len(samples), max(s.input_ids.shape[0] for s in samples)
+        first = samples[0].hidden  # [T, L, H]
+        L, H, dtype = first.shape[1], first.shape[2], first.dtype
+    else:
+        B, T = 1, 1
+        L, H, dtype = sample_shape[0], sample_shape[1], DTYPES[sample_shape[2]]
     ids = torch.zeros(B, T, dtype=torch.int64)
     mask = torch.zeros(B, T, dtype=torch.bool)
-    aux = torch.zeros(B, T, (L - 1) * H, dtype=first.dtype)
-    final = torch.zeros(B, T, H, dtype=first.dtype)
+    aux = torch.zeros(B, T, (L - 1) * H, dtype=dtype)
+    final = torch.zeros(B, T, H, dtype=dtype)
     for b, s in enumerate(samples):
         n = s.input_ids.shape[0]
         ids[b, :n] = torch.from_numpy(s.input_ids)
         mask[b, :n] = torch.from_numpy(s.loss_mask.astype(bool))
         aux[b, :n] = s.aux.reshape(n, -1)
         final[b, :n] = s.final
-    return Batch(
-        ids, mask, aux, final, step_token_counts(mask, ttt_steps), int(sum(s.input_ids.shape[0] for s in samples))
-    )
+    tokens = int(sum(s.input_ids.shape[0] for s in samples))
+    return Batch(ids, mask, aux, final, step_token_counts(mask, ttt_steps), tokens, bad)
 
 
 class SampleDataset(torch.utils.data.Dataset):
-    """Index -> storage.Sample; the reader holds only paths and small arrays, so it pickles to workers."""
+    """Index -> storage.Sample, or a BadRead (checked, not raised, in the workers: the main
+    process decides, with range and sample id); the reader pickles to workers."""
 
     def __init__(self, reader):
         self.reader = reader
@@ -170,7 +198,7 @@ class SampleDataset(torch.utils.data.Dataset):
         return len(self.reader)
 
     def __getitem__(self, i: int):
-        return self.reader[i]
+        return self.reader.read(i)
 
 
 def plan_batches(
@@ -246,7 +274,7 @@ def make_loader(reader, batch_lists: list[list[int]], s: TrainSettings, device: 
     return torch.utils.data.DataLoader(
         SampleDataset(reader),
         batch_sampler=batch_lists,
-        collate_fn=partial(collate, ttt_steps=s.ttt_steps),
+        collate_fn=partial(collate, ttt_steps=s.ttt_steps, sample_shape=reader.sample_shape),
         num_workers=workers,
         pin_memory=device.type == "cuda",
         prefetch_factor=4 if workers else None,
@@ -310,6 +338,7 @@ def build_drafter(
         tcfg, draft_vocab_size=vocab.size, aux_layer_ids=list(s.aux_layer_ids), num_hidden_layers=s.num_hidden_layers,
         ttt_steps=s.ttt_steps, target=target_identity(target_dir), target_path=str(Path(target_dir).resolve()),
     )  # fmt: skip
+    cfg = dataclasses.replace(cfg, **{k: getattr(s, k) for k in VARIANT_FLAGS})
     if vocab.t2d.shape[0] != cfg.vocab_size:
         raise DraftflowError(
             f"draft vocabulary covers {vocab.t2d.shape[0]} target ids, the target has {cfg.vocab_size}"
@@ -351,7 +380,7 @@ def save_drafter(
     out_dir.mkdir(parents=True, exist_ok=True)
     state = drafter.export_state_dict() if state is None else state
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in state.items()}
-    with atomic_path(out_dir / "model.safetensors") as tmp:
+    with atomic_path(out_dir / "model.safetensors", mode=file_mode()) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     config = drafter.config.to_dict()
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -531,14 +560,46 @@ def shard_eval_batches(batches: list[list[int]], rank: int, world_size: int) -> 
     return [batches[j % len(batches)] for j in idx], [j < len(batches) for j in idx]
 
 
+class BadSamples:
+    """What a run does with samples it cannot read: stop naming them (fail) or leave them out and count (skip)."""
+
+    def __init__(self, policy: str, label: str):
+        self.policy, self.label = policy, label
+        self.skipped: dict[tuple[str, str], str] = {}  # (range, sample id) -> reason
+
+    def handle(self, bad) -> None:
+        """`bad`: storage.BadRead records; raises under "fail", else logs each new one once."""
+        for b in bad:
+            if self.policy == "fail":
+                raise DraftflowError(
+                    f"{self.label}: a stored sample cannot be read: {b.message()}; "
+                    "or set on_bad_sample: skip to leave such samples out and count them"
+                )
+            if (b.range_dir, b.sample_id) not in self.skipped:
+                log.warning("%s: skipping %s", self.label, b.message())
+                self.skipped[(b.range_dir, b.sample_id)] = b.reason
+
+    def as_json(self) -> dict:
+        return {"skipped_samples": len(self.skipped),
+                "skipped": [{"range": r, "sample_id": i, "reason": why} for (r, i), why in self.skipped.items()]}  # fmt: skip
+
+
 @torch.no_grad()
 def evaluate(
-    objective: TTTObjective, target_head: TargetHead, loader, env: DistEnv, steps: int, keep: Sequence[bool]
+    objective: TTTObjective,
+    target_head: TargetHead,
+    loader,
+    env: DistEnv,
+    steps: int,
+    keep: Sequence[bool],
+    bad: BadSamples | None = None,
 ) -> torch.Tensor:
     """Summed TTT statistics over this rank's eval batches (those marked `keep`), all-reduced."""
     objective.eval()
     total = torch.zeros(len(STAT_ROWS), steps, dtype=torch.float64, device=env.device)
     for batch, kept in zip(loader, keep, strict=True):
+        if batch.bad:
+            (bad or BadSamples("fail", "evaluation")).handle(batch.bad)
         batch = batch.to(env.device)
         with autocast(env.device):
             target = target_head(batch.final)
@@ -572,12 +633,21 @@ def use_compile(setting: bool | str, device: torch.device) -> bool:
     return True
 
 
+def samples_digest(range_dirs) -> str:
+    """sha256 of the ranges' sample content keys, in order: what the data is, not how the ranges
+    were cut or what their indexes record about the run (counts, timings) that wrote them."""
+    from draftflow.hidden_states.storage import read_index_columns
+
+    h = hashlib.sha256()
+    for d in range_dirs:
+        for key in read_index_columns(Path(d))[1]["key"]:
+            h.update(key.encode() + b"\n")
+    return h.hexdigest()
+
+
 def run_fingerprint(s: TrainSettings, world_size: int, train_ranges, eval_ranges, target_dir, vocab_path) -> str:
     """What determines the training trajectory: a resume is only valid under the same fingerprint."""
     from draftflow.target import target_identity
-
-    def ranges(dirs):
-        return [[Path(d).name, _sha256_file(Path(d) / "index.json")] for d in dirs]
 
     description = {
         "settings": s.fingerprint_dict(),
@@ -585,8 +655,8 @@ def run_fingerprint(s: TrainSettings, world_size: int, train_ranges, eval_ranges
         "micro_batches_per_step": world_size * s.grad_accum,
         # FSDP checkpoints hold sharding-aware optimizer state: they resume under FSDP only
         "fsdp": s.fsdp and world_size > 1,
-        "train": ranges(train_ranges),
-        "eval": ranges(eval_ranges),
+        "train": samples_digest(train_ranges),
+        "eval": samples_digest(eval_ranges),
         "target": target_identity(target_dir),
         "vocab": _sha256_file(Path(vocab_path)),
     }
@@ -774,6 +844,18 @@ def _check_ranges(reader, cfg: Eagle3Config, label: str) -> None:
             raise DraftflowError(f"{where_}: {ids}, but train.aux_layer_ids is {list(cfg.aux_layer_ids)}")
 
 
+def _without_missing(reader, bad: "BadSamples", label: str):
+    """Stat every store file before starting (no reads): missing ones stop the run naming range
+    and sample id, or under on_bad_sample: skip are left out of the plan and counted."""
+    from draftflow.hidden_states.storage import check_present
+
+    missing = check_present(reader, f"{label} (--{'train' if label == 'training' else 'eval'}-ranges)", bad.policy)
+    if not missing:
+        return reader
+    bad.handle(missing)
+    return reader.without(missing)
+
+
 def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = None) -> dict:
     """Train (resuming when the state folder has a checkpoint of this exact run); returns the final eval summary."""
     from draftflow.hidden_states.storage import HiddenStateReader
@@ -791,6 +873,9 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
         raise DraftflowError("no training samples in --train-ranges")
     _check_ranges(train_reader, cfg, "train")
     _check_ranges(eval_reader, cfg, "eval")
+    bad_train, bad_eval = BadSamples(s.on_bad_sample, "training"), BadSamples(s.on_bad_sample, "evaluation")
+    train_reader = _without_missing(train_reader, bad_train, "training")
+    eval_reader = _without_missing(eval_reader, bad_eval, "evaluation")
 
     plans = plan_epochs(train_reader.lengths, s, env.world_size)
     total_steps = sum(p.steps for p in plans)
@@ -800,7 +885,9 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
 
     drafter.to(env.device)
     target_head.to(env.device, dtype=torch.bfloat16 if cuda else torch.float32)
-    objective = TTTObjective(drafter, s.ttt_steps, s.step_weight_decay, compile=use_compile(s.compile, env.device))
+    objective = TTTObjective(
+        drafter, s.ttt_steps, s.step_weight_decay, compile=use_compile(s.compile, env.device), loss=s.loss
+    )
     model = wrap_parallel(objective, env, s.fsdp and env.world_size > 1)
     optimizer, scheduler = make_optimizer(drafter, s, total_steps, fused=cuda)
     fsdp = s.fsdp and env.world_size > 1
@@ -839,7 +926,8 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
         if len(eval_reader) == 0:
             return None
         loader = make_loader(eval_reader, eval_batches, s, env.device)
-        summary = summarize(evaluate(objective, target_head, loader, env, s.ttt_steps, eval_keep), s.step_weight_decay)
+        stats = evaluate(objective, target_head, loader, env, s.ttt_steps, eval_keep, bad_eval)
+        summary = summarize(stats, s.step_weight_decay)
         metrics.write({"kind": "eval", "step": progress.global_step, "epoch": epoch, **summary})
         progress.last_eval = summary
         log.info("eval step %d | loss %.4f | acc %s | alpha %s | tau %.3f", progress.global_step, summary["loss"],
@@ -851,6 +939,8 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
                 _save_best(drafter, state, run_dir / "best", summary, progress.global_step)
         return summary
 
+    ticker = ProgressLog(total_steps, "steps", resumed=progress.global_step, logger=log)
+    ticker.update(progress.global_step, force=True)  # done/total from the start: `draftflow status` sees it
     stats_acc = torch.zeros(len(STAT_ROWS), s.ttt_steps, dtype=torch.float64, device=env.device)
     window = {"tokens": 0, "data_s": 0.0, "t0": time.perf_counter(), "steps": 0}
     last_eval = progress.last_eval
@@ -864,7 +954,10 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
         batches = iter(make_loader(train_reader, mine, s, env.device))
         for step in range(first, plan.steps):
             t_data = time.perf_counter()
-            micro = [next(batches).to(env.device) for _ in range(s.grad_accum)]
+            micro = [next(batches) for _ in range(s.grad_accum)]
+            for mb in micro:
+                bad_train.handle(mb.bad)
+            micro = [mb.to(env.device) for mb in micro]
             window["data_s"] += time.perf_counter() - t_data
             stats, grad_norm = train_step(model, target_head, micro, optimizer, scheduler, env, s.grad_clip)
             stats_acc += stats
@@ -874,7 +967,8 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
             progress.epoch, progress.epoch_step = plan.epoch, step + 1
 
             if progress.global_step % s.log_every_steps == 0 or progress.global_step == total_steps:
-                _log_train(env, metrics, progress, plan.epoch, total_steps, scheduler, stats_acc, grad_norm, window, s)
+                _log_train(env, metrics, progress, plan.epoch, total_steps, scheduler, stats_acc, grad_norm, window, s,
+                           ticker)
                 stats_acc.zero_()
                 window = {"tokens": 0, "data_s": 0.0, "t0": time.perf_counter(), "steps": 0}
             end_of_epoch = step + 1 == plan.steps
@@ -905,6 +999,7 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
         "world_size": env.world_size,
         "fingerprint": fp,
         "peak_gpu_memory_gib": peak_gpu_memory_gib(env),
+        "bad_samples": {"policy": s.on_bad_sample, "train": bad_train.as_json(), "eval": bad_eval.as_json()},
     }
     state = gather_state(model, drafter, fsdp)
     if env.is_main:
@@ -937,7 +1032,7 @@ def _save_best(drafter: Eagle3Drafter, state: dict, folder: Path, summary: dict,
     fsync_dir(folder.parent)
 
 
-def _log_train(env, metrics, progress, epoch, total_steps, scheduler, stats_acc, grad_norm, window, s) -> None:
+def _log_train(env, metrics, progress, epoch, total_steps, scheduler, stats_acc, grad_norm, window, s, ticker=None) -> None:
     """Once per log interval: one all-reduce and one host sync."""
     packed = torch.cat(
         [stats_acc.flatten(), torch.tensor([float(window["tokens"])], dtype=torch.float64, device=env.device)]
@@ -953,11 +1048,14 @@ def _log_train(env, metrics, progress, epoch, total_steps, scheduler, stats_acc,
         "tokens": tokens, "tokens_per_s": tokens / elapsed, "data_wait": window["data_s"] / elapsed,
     }  # fmt: skip
     metrics.write(row)
-    log.info(
-        "step %d/%d | loss %.4f | acc %s | lr %.2e | %.0f tok/s | grad %.3f | data %.1f%%",
-        progress.global_step, total_steps, row["loss"], _fmt(row["step_accuracy"]), row["lr"],
-        row["tokens_per_s"], row["grad_norm"], 100 * row["data_wait"],
-    )  # fmt: skip
+    details = (
+        f"epoch {epoch} | loss {row['loss']:.4f} | acc {_fmt(row['step_accuracy'])} | lr {row['lr']:.2e} | "
+        f"{row['tokens_per_s']:.0f} tok/s | grad {row['grad_norm']:.3f} | data {100 * row['data_wait']:.1f}%"
+    )
+    if ticker is None:
+        log.info("step %d/%d | %s", progress.global_step, total_steps, details)
+    else:  # `progress: step/total steps (%), rate, elapsed, ETA | …`, read by `draftflow status`
+        ticker.update(progress.global_step, extra=details, force=True)
 
 
 # ---------------------------------------------------------------- CLI
@@ -977,8 +1075,18 @@ def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
     parser.add_argument("--output", required=True, type=Path, help="final drafter folder")
 
 
+def use_threads(settings: TrainSettings, threads: int) -> TrainSettings:
+    """This process's threads: DataLoader workers (1 thread each) beside the training loop."""
+    compute, workers = split_threads(threads, settings.num_workers)
+    if workers != settings.num_workers:
+        log.warning("train.num_workers %d does not fit in %d CPU thread(s): using %d DataLoader worker(s)",
+                    settings.num_workers, threads, workers)  # fmt: skip
+    torch.set_num_threads(compute)
+    return dataclasses.replace(settings, num_workers=workers)
+
+
 def main(args: argparse.Namespace) -> int:
-    settings = TrainSettings.from_dict(args.settings)
+    settings = use_threads(TrainSettings.from_dict(args.settings), getattr(args, "threads", None) or default_threads())
     env = init_distributed(settings.gpus)
     if not env.is_main:
         logging.getLogger().setLevel(logging.WARNING)

@@ -18,6 +18,7 @@ propose that token. Each step's loss is normalized by its number of loss tokens.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftflow.drafters.eagle3 import Eagle3Drafter, TTTCache
+from draftflow.drafters.losses import LOSSES, SoftCrossEntropy, soft_ce  # noqa: F401 (re-exported)
 
 # rows of the per-step statistics tensor [len(STAT_ROWS), steps]
 STAT_ROWS = ("loss_sum", "tokens", "correct", "chain_hits", "chain_trials")
@@ -52,28 +54,6 @@ def unroll(
     for k in range(steps):
         logits, hidden = drafter.forward_hidden(shift_left(input_ids, 1 + k), hidden, positions + k, cache)
         yield logits, hidden
-
-
-class SoftCrossEntropy(torch.autograd.Function):
-    """-Σ_v p_v log softmax(logits)_v per row, without keeping fp32 log-probabilities for backward.
-
-    d/dlogits = (softmax(logits) - p) · grad, recomputed from the saved (bf16) logits: saves a
-    [rows, Vd] fp32 tensor per TTT step and several passes over it.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        lse = torch.logsumexp(lf, dim=-1)  # [..]
-        ce = lse - (p * lf).sum(-1)  # Σp = 1
-        ctx.save_for_backward(logits, p, lse)
-        return ce
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        logits, p, lse = ctx.saved_tensors
-        g = logits.to(lse.dtype, copy=True).sub_(lse[..., None]).exp_().sub_(p).mul_(grad[..., None])
-        return g.to(logits.dtype), None
 
 
 @dataclass
@@ -117,16 +97,16 @@ def _logits_fp32(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def step_terms(
-    logits: torch.Tensor, probs: torch.Tensor, target: torch.Tensor, weight: torch.Tensor
+    logits: torch.Tensor, probs: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, loss=soft_ce
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One TTT step's loss sum and hits.
 
     logits [B, R, Vd] (drafter), probs [B, R, Vd] (target), target [B, R] draft ids (-1: not in
-    the draft vocab), weight [B, R] bool -> (Σ soft CE over weighted in-vocab rows (scalar),
-    hit [B, R] bool: drafter argmax == target argmax on a weighted row).
+    the draft vocab), weight [B, R] bool, loss: a `losses.LOSSES` function -> (Σ loss over
+    weighted in-vocab rows (scalar), hit [B, R] bool: drafter argmax == target argmax on a weighted row).
     """
-    ce = SoftCrossEntropy.apply(logits, probs)  # [B, R]
-    loss_sum = torch.where(weight & (target >= 0), ce, 0.0).sum()
+    per_row = loss(logits, probs)  # [B, R]
+    loss_sum = torch.where(weight & (target >= 0), per_row, 0.0).sum()
     hit = (logits.detach().argmax(-1) == target) & weight
     return loss_sum, hit
 
@@ -136,15 +116,16 @@ class TTTObjective(nn.Module):
 
     compile: torch.compile the drafter's norms and MLPs and the per-step loss (`step_terms`),
     which fuses the elementwise passes eager mode makes over [tokens, Vd] logits each step.
+    loss: a name of `losses.LOSSES` (config `train.loss`).
     """
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, compile: bool = False):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, compile: bool = False, loss: str = "soft_ce"):
         super().__init__()
         self.drafter, self.steps, self.decay = drafter, steps, decay
-        self.step_terms = step_terms
+        self.step_terms = functools.partial(step_terms, loss=LOSSES[loss])
         if compile:
             drafter.compile_pointwise()
-            self.step_terms = torch.compile(step_terms, dynamic=True)
+            self.step_terms = torch.compile(self.step_terms, dynamic=True)
 
     def forward(self, input_ids, loss_mask, aux, target_probs, target_argmax, normalizer=None):
         result = ttt_loss(

@@ -22,12 +22,37 @@ from typing import Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
+from draftflow.config import ENGINE_NUMERICS_KEYS
 from draftflow.errors import DraftflowError
 
 CONVENTION = (
     "aux id i = output of decoder layer i (0-based); final = last layer output after the final norm"
 )
 FINAL = "post_norm"
+
+
+def layer_meanings(aux_layer_ids: Sequence[int], num_layers: int) -> list[str]:
+    """What each captured slot holds, aux ids in config order then the final, for data_config.json.
+
+    Exact for every id, also the last layer's: aux id N-1 is that layer's raw output (a
+    forward hook on it), while HF `output_hidden_states[N]` is the final-normed state, which
+    is what the final slot holds.
+    """
+    n = int(num_layers)
+    out = []
+    for i in map(int, aux_layer_ids):
+        if i == n - 1:
+            out.append(
+                f"aux {i}: raw output of decoder layer {i}, the last, before the final norm "
+                f"(not HF output_hidden_states[{n}], which is after the final norm)"
+            )
+        else:
+            out.append(f"aux {i}: output of decoder layer {i} = input of layer {i + 1} (HF output_hidden_states[{i + 1}])")
+    out.append(
+        f"final: output of decoder layer {n - 1} after the final norm, what the LM head reads "
+        f"(HF output_hidden_states[{n}])"
+    )
+    return out
 
 
 class CaptureError(DraftflowError):
@@ -77,12 +102,8 @@ def layer_names(aux_layer_ids: Sequence[int]) -> list[str]:
 
 # Per engine, the settings besides target, layers, engine and dtype that change captured
 # values. Batching, writer threads, compression, on_error and device ids do not enter
-# the digest: changing them must not invalidate the store.
-ENGINE_NUMERICS_KEYS: dict[str, tuple[str, ...]] = {
-    "hf": (),
-    "sglang": ("tensor_parallel", "sglang.version"),
-    "vllm": ("tensor_parallel", "vllm.version"),
-}
+# the digest: changing them must not invalidate the store. ENGINE_NUMERICS_KEYS lives in
+# draftflow.config (no torch there), so that rules/common.smk splits the extract params by it.
 
 
 def capture_settings(settings: dict) -> dict:

@@ -8,7 +8,7 @@ Export writes, under --output-dir:
   `fc`, `midlayer.*` → `model.layers.0.*`, `layers.{i}.*` → `model.layers.{i}.*`, `norm`,
   `lm_head`, `d2t` → hot_token_id = d2t + arange, `t2d` skipped; q/k/v and gate/up are stacked
   by its `load_weights`, which skips unknown names silently; no embedding: SGLang shares the
-  target's), plus launch.sh (`python -m sglang.launch_server … --speculative-algorithm EAGLE3`);
+  target's), plus launch.sh (`python3 -m sglang.launch_server … --speculative-algorithm EAGLE3`);
 * `vllm/`: the speculators format (vllm-project/speculators src/speculators/models/eagle3/
   config.py `Eagle3SpeculatorConfig`, read by vLLM's
   vllm/transformers_utils/configs/speculators/{base,algos}.py) with tensors named as the
@@ -41,10 +41,10 @@ from pathlib import Path
 
 import torch
 
-from draftflow.drafters.eagle3 import ARCHITECTURE, Eagle3Config, Eagle3Drafter
+from draftflow.drafters.eagle3 import ARCHITECTURE, VARIANT_FLAGS, Eagle3Config, Eagle3Drafter
 from draftflow.engines.layer_ids import DraftIds, aux_from_draft_ids, draft_config_ids
-from draftflow.errors import DraftflowError, reject_unknown_keys
-from draftflow.jsonl import atomic_path, read_json, write_json
+from draftflow.errors import DraftflowError, reject_unknown_keys, where
+from draftflow.jsonl import atomic_path, file_mode, read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def _cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, tor
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
-    with atomic_path(path) as tmp:
+    with atomic_path(path, mode=file_mode()) as tmp:  # safetensors alone writes 0600
         save_file(tensors, str(tmp), metadata={"format": "pt"})
 
 
@@ -140,15 +140,23 @@ def sglang_tensors(tensors: dict[str, torch.Tensor], cfg: Eagle3Config) -> dict[
     return {**tensors, **_unused_norms(cfg, "input_layernorm", tensors["norm.weight"])}
 
 
-def launch_script(header: str, command: list[str], extra: str = "") -> str:
-    """A bash script: the drafter is the script's own folder, TARGET may be overridden."""
+def launch_script(header: str, command: list[str], target_path: Path, extra: str = "") -> str:
+    """A bash script that runs anywhere: `launch.sh [TARGET_DIR] [server args…]`.
+
+    The target: the first argument (when it is not an option), else $TARGET, else the path
+    recorded at export. The drafter: $DRAFTER, else the script's own folder.
+    """
     lines = [shlex.quote(a) if not a.startswith('"$') else a for a in command]
     return (
         "#!/usr/bin/env bash\n"
         f"# {header}\n"
-        "# Extra arguments are passed on to the server. Override the target with TARGET=/path.\n"
+        "# Usage: launch.sh [TARGET_DIR] [server arguments...]\n"
+        "#   TARGET_DIR (or $TARGET): the target model; default: the path recorded at export.\n"
+        "#   $DRAFTER: this drafter's folder (default: the script's own); $PYTHON (default: python3).\n"
         "set -euo pipefail\n"
-        'DRAFTER="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"\n'
+        'DRAFTER="${DRAFTER:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}"\n'
+        f'TARGET="${{TARGET:-{shlex.quote(str(target_path))}}}"\n'
+        'if [[ $# -gt 0 && $1 != -* ]]; then TARGET=$1; shift; fi\n'
         f"{extra}"
         "exec " + " \\\n  ".join(lines) + ' \\\n  "$@"\n'
     )
@@ -156,7 +164,7 @@ def launch_script(header: str, command: list[str], extra: str = "") -> str:
 
 def sglang_launch(target_path: Path, steps: int, tp: int, trust_remote_code: bool, version: str) -> str:
     command = [
-        "python", "-m", "sglang.launch_server",
+        '"${PYTHON:-python3}"', "-m", "sglang.launch_server",
         "--model-path", '"$TARGET"',
         "--speculative-algorithm", "EAGLE3",
         "--speculative-draft-model-path", '"$DRAFTER"',
@@ -167,8 +175,7 @@ def sglang_launch(target_path: Path, steps: int, tp: int, trust_remote_code: boo
     ]  # fmt: skip
     if trust_remote_code:
         command.append("--trust-remote-code")
-    target = f'TARGET="${{TARGET:-{shlex.quote(str(target_path))}}}"\n'
-    return launch_script(f"SGLang {version}: serve the target with this EAGLE-3 drafter.", command, target)
+    return launch_script(f"SGLang {version}: serve the target with this EAGLE-3 drafter.", command, target_path)
 
 
 # ---------------------------------------------------------------- vLLM (speculators format)
@@ -262,9 +269,10 @@ def vllm_config(
         },
         "transformer_layer_config": layer,
         "draft_vocab_size": cfg.draft_vocab_size,
-        # vLLM defaults a missing norm_before_residual to True; ours keeps the un-normed input as residual
-        "norm_before_residual": False,
-        "norm_before_fc": False,
+        # vLLM defaults a missing norm_before_residual to True: always written
+        "norm_before_residual": cfg.norm_before_residual,
+        "norm_before_fc": cfg.norm_before_fc,
+        **({"norm_output": True} if cfg.norm_output else {}),
         "target_hidden_size": None,
         "eagle_aux_hidden_state_layer_ids": engine_ids,
         "embed_requires_grad": False,
@@ -278,12 +286,9 @@ def vllm_launch(target_path: Path, steps: int, tp: int, trust_remote_code: bool,
     command = ["vllm", "serve", '"$TARGET"', "--tensor-parallel-size", str(tp), "--speculative-config", '"$SPEC"']
     if trust_remote_code:
         command.append("--trust-remote-code")
-    extra = (
-        f'TARGET="${{TARGET:-{shlex.quote(str(target_path))}}}"\n'
-        f'SPEC=$(printf \'{{"method": "eagle3", "model": "%s", "num_speculative_tokens": {steps}}}\' "$DRAFTER")\n'
-    )
+    extra = f'SPEC=$(printf \'{{"method": "eagle3", "model": "%s", "num_speculative_tokens": {steps}}}\' "$DRAFTER")\n'
     return launch_script(
-        f"vLLM {version}: serve the target with this EAGLE-3 drafter (speculators format).", command, extra
+        f"vLLM {version}: serve the target with this EAGLE-3 drafter (speculators format).", command, target_path, extra
     )
 
 
@@ -349,6 +354,11 @@ def export_drafter(drafter_dir: Path, target: Path, settings: ExportSettings, ou
     sg_ids = engine_aux_ids("sglang", settings.sglang_version, target_config, cfg.aux_layer_ids)
     vl_ids = engine_aux_ids("vllm", settings.vllm_version, target_config, cfg.aux_layer_ids)
     vl_tensors = vllm_tensors(tensors, cfg)
+    flags = [k for k in VARIANT_FLAGS if getattr(cfg, k)]
+    if flags:  # speculators-recipe drafters (import-drafter --from speculators)
+        log.warning("%s: the drafter uses %s; check that SGLang %s applies them (its LlamaForCausalLMEagle3 "
+                    "config.json carries them, the vLLM export's speculators config too)", drafter_dir, flags,
+                    settings.sglang_version)  # fmt: skip
     sg = output_dir / "sglang"
     sg.mkdir(parents=True, exist_ok=True)
     _save(sglang_tensors(tensors, cfg), sg / "model.safetensors")
@@ -428,12 +438,13 @@ def import_drafter(
     `sglang_version`); else SGLang's default for the target, [1, N//2 - 1, N - 4] in ours.
     The embedding is always the target's (frozen); a checkpoint's own copy is only compared.
     """
-    from draftflow.config import default_aux_layer_ids
     from draftflow.target import target_identity
     from draftflow.drafters.train import load_target_tensors, save_drafter
 
+    if source == "speculators":
+        return import_speculators(input_dir, target, output)
     if source not in ("sglang", "specforge"):
-        raise DraftflowError(f"import-drafter --from must be sglang or specforge, got {source!r}")
+        raise DraftflowError(f"import-drafter --from must be sglang, specforge or speculators, got {source!r}")
     try:
         raw = read_json(input_dir / "config.json")
     except FileNotFoundError:
@@ -451,7 +462,9 @@ def import_drafter(
     if ours is None and engine_ids:
         ours = engine_ids if source == "specforge" else our_aux_ids("sglang", sglang_version, target_config, engine_ids)
     if ours is None:
-        ours = default_aux_layer_ids(int(_text_config(target_config)["num_hidden_layers"]))
+        # SGLang's own fallback (layers_to_capture [2, N//2, N-3]), not our small-target default
+        n = int(_text_config(target_config)["num_hidden_layers"])
+        ours = [1, n // 2 - 1, n - 4]
 
     vocab = int(raw.get("vocab_size") or target_config.get("vocab_size"))
     draft_vocab = int(raw.get("draft_vocab_size") or tensors["lm_head.weight"].shape[0])
@@ -486,6 +499,150 @@ def import_drafter(
     return cfg
 
 
+# ---------------------------------------------------------------- import from speculators
+
+SPECULATORS_LAYER_TYPES = ("llama",)  # its qwen3 drafter layer has q/k norms that ours lacks
+_SPECULATORS_DROPPED = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
+
+
+def speculators_checkpoint(path: Path) -> Path:
+    """The epoch folder to import: `path` itself when it holds config.json, else, for a
+    `speculators train --save-path` folder, `checkpoint_best` or the highest numbered epoch."""
+    if (path / "config.json").is_file():
+        return path
+    if not path.is_dir():
+        raise DraftflowError(f"{path}: no such folder")
+    best = path / "checkpoint_best"
+    if (best / "config.json").is_file():
+        return best
+    epochs = sorted((int(p.name), p) for p in path.iterdir() if p.name.isdigit() and (p / "config.json").is_file())
+    if not epochs:
+        raise DraftflowError(
+            f"{path}: neither a speculators checkpoint (config.json + model.safetensors) nor a --save-path "
+            "folder with epoch checkpoints (0/, 1/, …) or checkpoint_best/"
+        )
+    return epochs[-1][1]
+
+
+def _speculators_config(path: Path, raw: dict, target_config: dict) -> tuple[dict, list[int]]:
+    """(our config record without draftflow's block, aux ids in ours) from speculators' config.json
+    (`Eagle3SpeculatorConfig`: transformer_layer_config, draft_vocab_size, the norm flags,
+    eagle_aux_hidden_state_layer_ids in vLLM numbering: i = output of decoder layer i - 1)."""
+    cfg_path = path / "config.json"
+    kind = raw.get("speculators_model_type")
+    if kind != "eagle3":
+        raise DraftflowError(
+            f"{where(cfg_path, field='speculators_model_type')}: {kind!r}; only speculators' eagle3 drafters "
+            "can be imported (is this a speculators checkpoint?)"
+        )
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise DraftflowError(f"{where(cfg_path, field='transformer_layer_config')}: missing")
+    if layer.get("model_type", "llama") not in SPECULATORS_LAYER_TYPES:
+        raise DraftflowError(
+            f"{where(cfg_path, field='transformer_layer_config.model_type')}: {layer.get('model_type')!r}; "
+            f"draftflow's EAGLE-3 layer is {SPECULATORS_LAYER_TYPES[0]}-style"
+        )
+    if raw.get("fc_norm"):
+        raise DraftflowError(
+            f"{where(cfg_path, field='fc_norm')}: true (a norm per aux state); draftflow's drafter has "
+            "norm_before_fc (one norm over the concatenation) but not fc_norm"
+        )
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        raise DraftflowError(
+            f"{where(cfg_path, field='transformer_layer_config.num_hidden_layers')}: "
+            f"{layer.get('num_hidden_layers')}; speculators' extra layers are plain decoder layers that continue "
+            "the residual, which draftflow's (SGLang's) do not: only 1-layer drafters import"
+        )
+    window = layer.get("sliding_window")
+    if "sliding_attention" in (layer.get("layer_types") or []) and window:
+        log.warning(
+            "%s: trained with a %s-token sliding attention window; draftflow's drafter attends to the whole "
+            "context (the same for contexts up to %s tokens)", cfg_path, window, window,
+        )  # fmt: skip
+    ours = (raw.get("draftflow") or {}).get("aux_layer_ids")  # our own vLLM export: exact
+    engine_ids = raw.get("eagle_aux_hidden_state_layer_ids")
+    if ours is None and engine_ids:
+        ours = our_aux_ids("vllm", DEFAULT_VLLM_VERSION, target_config, engine_ids)
+    if ours is None:  # speculators' default [2, N//2, N-3] in its numbering = ours [1, N//2-1, N-4]
+        from draftflow.config import default_aux_layer_ids
+
+        ours = default_aux_layer_ids(int(_text_config(target_config)["num_hidden_layers"]))
+    # to_diff_dict() left out every value equal to LlamaConfig's default: fill them back in
+    from transformers import LlamaConfig
+
+    record = LlamaConfig(**{k: v for k, v in layer.items() if k not in ("model_type", "architectures")}).to_dict()
+    record.update(
+        architectures=[ARCHITECTURE],
+        vocab_size=int(layer.get("vocab_size") or target_config.get("vocab_size")),
+        draft_vocab_size=int(raw.get("draft_vocab_size") or layer["vocab_size"]),
+        num_hidden_layers=1,
+        **{k: bool(raw.get(k, False)) for k in ("norm_before_fc", "norm_before_residual", "norm_output")},
+    )
+    return record, [int(i) for i in ours]
+
+
+def import_speculators(input_dir: Path, target: Path, output: Path) -> Eagle3Config:
+    """A speculators (0.9) EAGLE-3 checkpoint -> our drafter folder.
+
+    Its tensors: `fc`, `layers.0.*` (= our `midlayer.*`), `norm`, `lm_head`, `d2t`, `t2d`, and
+    `input_norm` when norm_before_fc; `embed_tokens` (the target's copy) is compared and dropped.
+    Our vLLM export is this format, so an export imports back to the same tensors and config.
+    """
+    from draftflow.target import target_identity
+    from draftflow.drafters.train import load_target_tensors, save_drafter
+
+    path = speculators_checkpoint(Path(input_dir))
+    try:
+        raw = read_json(path / "config.json")
+    except ValueError as e:
+        raise DraftflowError(f"{path / 'config.json'}: not JSON: {e}") from None
+    target_config = _target_config(target)
+    record, ours = _speculators_config(path, raw, target_config)
+    if not list(path.glob("*.safetensors")):
+        raise DraftflowError(f"{path}: no model.safetensors (an interrupted save?); pick another epoch folder")
+    tensors = _checkpoint_tensors(path)
+    renamed = {}
+    for name, t in tensors.items():
+        name = name.removeprefix("model.")
+        if name.startswith("layers.0."):
+            name = "midlayer." + name.removeprefix("layers.0.")
+        renamed[name] = t
+    ckpt_embed = renamed.get("embed_tokens.weight")
+    for name in _SPECULATORS_DROPPED:
+        renamed.pop(name, None)
+    if "lm_head.weight" not in renamed:
+        raise DraftflowError(f"{path}: no lm_head.weight in the weights; a partial checkpoint?")
+    _vocab_mapping(renamed, record["vocab_size"], record["draft_vocab_size"], path)
+    record["draftflow"] = {
+        **(raw.get("draftflow") or {}), "aux_layer_ids": ours, "target": target_identity(target),
+        "target_path": str(target.resolve()), "imported_from": {"format": "speculators", "path": str(path)},
+    }  # fmt: skip
+    try:
+        cfg = Eagle3Config.from_dict(record)
+    except (KeyError, TypeError, ValueError) as e:
+        raise DraftflowError(f"{path / 'config.json'}: transformer_layer_config lacks {e}") from None
+    drafter = Eagle3Drafter(cfg)
+    try:
+        missing, unexpected = drafter.load_state_dict(renamed, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise DraftflowError(f"{path}: weights do not fit its config.json: {e}") from None
+    missing = sorted(set(missing) - {"embed_tokens.weight"})
+    if missing or unexpected:
+        raise DraftflowError(
+            f"{path}: weights do not fit its config.json: missing {missing}, unexpected {sorted(unexpected)}"
+        )
+    if ckpt_embed is not None:
+        embed = load_target_tensors(target)["embed"]
+        if tuple(ckpt_embed.shape) != tuple(embed.shape) or not torch.equal(ckpt_embed, embed.to(ckpt_embed.dtype)):
+            log.warning("%s: the checkpoint's embedding differs from the target's; the target's is used", path)
+    dtype = next(v.dtype for v in renamed.values() if v.is_floating_point())
+    save_drafter(drafter, output, dtype=dtype)
+    log.info("imported speculators drafter %s -> %s (aux layers %s, draft vocab %d, flags %s)", path, output, ours,
+             cfg.draft_vocab_size, {k: getattr(cfg, k) for k in VARIANT_FLAGS})  # fmt: skip
+    return cfg
+
+
 # ---------------------------------------------------------------- CLI
 
 
@@ -503,8 +660,12 @@ def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
         )  # fmt: skip
         parser.add_argument("--output-dir", type=Path, required=True, help="writes sglang/, vllm/ and export.json")
     else:
-        parser.add_argument("--from", dest="source", choices=["sglang", "specforge"], required=True)
-        parser.add_argument("--input", type=Path, required=True, help="checkpoint folder (config.json + weights)")
+        parser.add_argument("--from", dest="source", choices=["sglang", "specforge", "speculators"], required=True)
+        parser.add_argument(
+            "--input", type=Path, required=True,
+            help="checkpoint folder (config.json + weights); speculators: an epoch folder or its --save-path "
+            "(checkpoint_best, else the latest epoch)",
+        )  # fmt: skip
         parser.add_argument("--target", type=Path, required=True, help="target model folder (embedding, layer count)")
         parser.add_argument("--output", type=Path, required=True, help="drafter folder to write")
         parser.add_argument("--sglang-version", default=DEFAULT_SGLANG_VERSION,

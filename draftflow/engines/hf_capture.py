@@ -6,8 +6,10 @@ every layer's output alive, and the LM head (large for 128k vocabularies) never 
 Batches are right-padded with an attention mask: under causal attention a real position
 only sees earlier positions, so padding never changes real rows.
 
-Layer ids: aux id i = output of decoder layer i = HF `output_hidden_states[i + 1]`; the
-final is the output of `model.norm`, what the LM head reads.
+Layer ids: aux id i = output of decoder layer i = HF `output_hidden_states[i + 1]` for
+i < N-1. For the last layer (i = N-1) the hook gives its raw output, while HF's
+`output_hidden_states[N]` is already normed: that is the final, the output of `model.norm`,
+what the LM head reads.
 """
 
 from __future__ import annotations

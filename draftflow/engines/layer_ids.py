@@ -12,7 +12,7 @@ that names layers for an engine asks this module:
 
 | engine | id the engine takes for our aux id i | final state |
 |---|---|---|
-| HF transformers | `hidden_states[i + 1]` (0 = embeddings) | hook on the final norm |
+| HF transformers | `hidden_states[i + 1]` (0 = embeddings), hooked on layer i: for i = N-1 the raw output, not HF's post-norm `hidden_states[N]` | hook on the final norm |
 | SGLang capture (`layers_to_capture`) | j = i + 1 (captures the *input* of layer j) | post-norm |
 | SGLang draft config (`eagle_aux_hidden_state_layer_ids`) | see `sglang_captures` | (not used) |
 | vLLM `extract_hidden_states` / draft config | i + 1 (0 = embeddings) | id N, *pre*-norm: we apply the norm |
@@ -339,11 +339,14 @@ def aux_from_draft_ids(engine: str, ids: Sequence[int], target_config: Mapping[s
 
 
 def hf_engine_layer_ids(aux: Sequence[int], num_layers: int) -> EngineLayerIds:
-    # output_hidden_states[0] = embeddings, [i + 1] = output of decoder layer i; [-1] is
-    # replaced by the post-norm state, so the final comes from a hook on the final norm.
+    # output_hidden_states[0] = embeddings, [i + 1] = output of decoder layer i, except [N]:
+    # transformers puts the post-norm state there. The engine hooks the layers themselves, so
+    # aux N-1 is the raw last-layer output; the final comes from a hook on the final norm.
     return EngineLayerIds(
         "hf", hf_hidden_state_indices(aux, num_layers),
-        "hf_hidden_states_index (0 = embeddings, i + 1 = output of layer i)",
+        f"hf_hidden_states_index (0 = embeddings, i + 1 = output of layer i, captured by a forward hook "
+        f"on model.layers[i]; index {num_layers} is the raw output of the last layer, not HF's "
+        f"hidden_states[{num_layers}], which is after the final norm)",
         "output of model.norm (forward hook)",
     )  # fmt: skip
 

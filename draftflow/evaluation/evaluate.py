@@ -8,12 +8,17 @@
   the target's own greedy output this is exactly what real decoding would accept from each
   anchor; real decoding just visits fewer anchors (one per verify step).
 * **Real**: greedy chain speculative decoding (`draftflow.evaluation.speculative`) with the HF target,
-  for each K in draft_tokens, on prompts from the eval split (tokens before the first loss
-  token) and from an optional prompts file (one per line, rendered with the chat template).
-  The same prompts through the same verify loop with a prompt-lookup (n-gram) drafter give
-  the model-free baseline, and plain greedy decoding the reference output and the speed.
+  for each K in draft_tokens, on every prompt set of `evaluate.prompt_sets`
+  (`draftflow.evaluation.prompt_sets`: the eval split's prompts, HumanEval, MT-bench, GSM8K, any
+  JSONL). The same prompts through the same verify loop with a prompt-lookup (n-gram) drafter
+  give the model-free baseline, and plain greedy decoding the reference output and the speed.
+* **Served** (`engine: sglang | vllm`, `draftflow.evaluation.served`): the engine serves the
+  exported drafter; τ and per-position acceptance come from its own counters.
 
-Writes acceptance.json (`acceptance_length` = real τ at the largest K) and acceptance.csv.
+Writes acceptance.json (`acceptance_length` = real τ at the largest K over all prompts; `per_set`
+= one row per prompt set, method, K and temperature), acceptance.csv, and outputs.jsonl (every
+decoded output with its per-step counts). Finished prompt sets are kept in the state folder, so
+a rerun resumes per set; nothing is written to the output folder before every set is measured.
 """
 
 from __future__ import annotations
@@ -21,14 +26,19 @@ from __future__ import annotations
 import argparse
 import csv
 import logging
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from draftflow.errors import DraftflowError, reject_unknown_keys, where
-from draftflow.jsonl import atomic_path, read_jsonl, write_json
+from draftflow.engines.layer_ids import ENGINES
+from draftflow.errors import DraftflowError, reject_unknown_keys
+from draftflow.evaluation.engine_counters import check_version
+from draftflow.evaluation.prompt_sets import Prompt, PromptSet, load_prompt_set, specs_from_settings
+from draftflow.evaluation.state import UnitState, folder_digest, settings_key
+from draftflow.jsonl import atomic_path, write_json, write_jsonl
+from draftflow.progress import Progress
 from draftflow.evaluation.speculative import (
     AcceptanceStats,
     DecodeResult,
@@ -49,7 +59,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EvaluateSettings:
-    """config `evaluate` (config.schema.yaml) plus `aux_layer_ids` (what extraction captured)."""
+    """config `evaluate` (config.schema.yaml) plus `aux_layer_ids` (what extraction captured),
+    `trust_remote_code` (config `target`) and `engine_version` (the export's release for the
+    served engine)."""
 
     draft_tokens: tuple[int, ...] = (3, 7)
     max_prompts: int = 16
@@ -57,7 +69,14 @@ class EvaluateSettings:
     prompts_file: str | None = None
     ngram_max: int = 3
     device: str = "auto"
+    engine: str = "hf"
+    temperatures: tuple[float, ...] = (0.0,)
+    prompt_sets: dict = field(default_factory=lambda: {"eval": {"kind": "eval"}})
+    server: dict = field(default_factory=dict)
+    on_bad_sample: str = "fail"  # a missing or damaged stored eval sample: stop, or leave it out and count
     aux_layer_ids: tuple[int, ...] | None = None
+    trust_remote_code: bool = False
+    engine_version: str | None = None
 
     @classmethod
     def from_dict(cls, settings: dict) -> "EvaluateSettings":
@@ -67,9 +86,24 @@ class EvaluateSettings:
         for key in ("draft_tokens", "aux_layer_ids"):
             if values.get(key) is not None:
                 values[key] = tuple(int(v) for v in values[key])
+        if values.get("temperatures") is not None:
+            values["temperatures"] = tuple(float(t) for t in values["temperatures"])
         s = cls(**values)
+        if s.on_bad_sample not in ("fail", "skip"):
+            raise DraftflowError(f"evaluate.on_bad_sample must be fail or skip, got {s.on_bad_sample!r}")
         if not s.draft_tokens or min(s.draft_tokens) < 1:
             raise DraftflowError(f"evaluate.draft_tokens must be positive integers, got {list(s.draft_tokens)}")
+        if s.engine not in ENGINES:
+            raise DraftflowError(f"evaluate.engine: {s.engine!r} is not one of {', '.join(ENGINES)}")
+        if not s.temperatures or min(s.temperatures) < 0:
+            raise DraftflowError(f"evaluate.temperatures must be >= 0, got {list(s.temperatures)}")
+        if s.engine == "hf" and any(t != 0 for t in s.temperatures):
+            raise DraftflowError(
+                f"evaluate.temperatures {list(s.temperatures)}: the hf engine decodes greedily (temperature 0); "
+                "use engine sglang or vllm to measure sampled decoding"
+            )
+        if s.engine != "hf":
+            check_version(s.engine, s.engine_version, f"export.{s.engine}_version")
         return s
 
     @property
@@ -89,16 +123,30 @@ class SimulatedAcceptance:
     trials: list[int] = None  # type: ignore[assignment]
     hits: list[int] = None  # type: ignore[assignment]
     samples: int = 0
+    skipped: list[dict] = None  # type: ignore[assignment]  # unreadable samples left out (on_bad_sample: skip)
 
     def __post_init__(self):
         self.trials = self.trials or [0] * self.steps
         self.hits = self.hits or [0] * self.steps
+        self.skipped = self.skipped or []
 
     def add(self, chain: torch.Tensor, counts: torch.Tensor) -> None:
         """chain [T] leading hits per anchor; counts [steps, T] whether step k counts for it."""
         for k in range(self.steps):
             self.trials[k] += int(((chain >= k) & counts[k]).sum())
             self.hits[k] += int((chain >= k + 1).sum())
+        self.samples += 1
+
+    def add_expected(self, accept: torch.Tensor, counts: torch.Tensor) -> None:
+        """Sampling: accept [steps, T] the probability that step k of anchor j is accepted
+        (Σ min(p, q)), counts as in `add`. Trials and hits become expected counts: the chain
+        reaches step k with probability Π_{i<k} accept_i."""
+        reach = torch.ones_like(accept[0], dtype=torch.float64)
+        for k in range(self.steps):
+            a = accept[k].double() * counts[k]
+            self.trials[k] += float((reach * counts[k]).sum())
+            reach = reach * a
+            self.hits[k] += float(reach.sum())
         self.samples += 1
 
     @property
@@ -117,6 +165,8 @@ class SimulatedAcceptance:
             "hits": self.hits,
             "trials": self.trials,
             "samples": self.samples,
+            "skipped_samples": len(self.skipped),
+            "skipped": self.skipped,
         }
 
 
@@ -147,59 +197,66 @@ def chain_lengths(
     return chain.cpu(), counts.cpu()
 
 
-def simulate(drafter, head: TargetHead, reader, steps: int, max_samples: int | None = None) -> SimulatedAcceptance:
-    """Simulated acceptance over the samples of a `storage.HiddenStateReader`."""
+@torch.no_grad()
+def chain_overlaps(
+    drafter, head: TargetHead, input_ids, loss_mask, hidden: torch.Tensor, steps: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced acceptance probabilities under speculative sampling at `temperature` > 0.
+
+    Same inputs as `chain_lengths`. Returns (accept [steps, T]: Σ_v min(p_v, q_v) for step k of
+    anchor j, with p the target's softmax(z / temperature) over its whole vocabulary (tokens
+    outside the draft vocabulary can never be drafted) and q the drafter's, counts [steps, T]).
+    The chain is teacher forced on the data tokens: an approximation of sampling, where the
+    accepted tokens are themselves random.
+    """
+    T = input_ids.shape[0]
+    device = drafter.fc.weight.device
+    ids = torch.as_tensor(input_ids, device=device).long()[None]
+    mask = torch.as_tensor(loss_mask, device=device).bool()
+    hidden = hidden.to(device)
+    z = hidden[:, -1].to(head.weight.dtype) @ head.weight.T  # [T, V] target logits
+    p = torch.softmax(z.double() / temperature, -1)[:, head.draft_ids]  # [T, Vd], not renormalized
+    counts = torch.zeros(steps, T, dtype=torch.bool, device=device)
+    accept = torch.zeros(steps, T, dtype=torch.float64, device=device)
+    for k, (logits, _) in enumerate(unroll(drafter, ids, hidden[None, :, :-1], steps)):
+        R = max(T - 2 - k, 0)
+        counts[k, :R] = mask[2 + k :]
+        q = torch.softmax(logits[0, :R].double() / temperature, -1)  # [R, Vd]
+        accept[k, :R] = torch.minimum(p[1 + k : 1 + k + R], q).sum(-1)
+    return accept.cpu(), counts.cpu()
+
+
+def simulate(
+    drafter, head: TargetHead, reader, steps: int, max_samples: int | None = None, temperature: float = 0.0,
+    on_bad_sample: str = "fail",
+) -> SimulatedAcceptance:
+    """Simulated acceptance over the samples of a `storage.HiddenStateReader`: hits of the
+    target's argmax (temperature 0) or expected acceptance of speculative sampling (> 0). Every
+    read is checksummed; an unreadable sample stops it (fail) or is left out and counted (skip)."""
+    from draftflow.hidden_states.storage import BadRead, check_present
+
     result = SimulatedAcceptance(steps)
     n = len(reader) if max_samples is None else min(len(reader), max_samples)
+    read = getattr(reader, "read", reader.__getitem__)
+    if hasattr(reader, "missing"):
+        check_present(reader, "evaluation (--eval-ranges)", on_bad_sample)  # stat only, before any work
     for i in range(n):
-        sample = reader[i]
-        chain, counts = chain_lengths(
-            drafter, head, torch.from_numpy(sample.input_ids), torch.from_numpy(sample.loss_mask), sample.hidden, steps
-        )
-        result.add(chain, counts)
-    return result
-
-
-# ---------------------------------------------------------------- prompts
-
-
-@dataclass(frozen=True)
-class Prompt:
-    source: str  # "eval:<id>" or "file:<line>"
-    ids: list[int]
-
-
-def eval_prompts(path: Path, limit: int) -> list[Prompt]:
-    """The tokens before the first loss (assistant) token of each eval record with one."""
-    prompts = []
-    for line, record in enumerate(read_jsonl(path), start=1):
-        if len(prompts) >= limit:
-            break
-        try:
-            ids, mask = record["input_ids"], record["loss_mask"]
-        except KeyError as e:
-            raise DraftflowError(f"{where(path, line, e.args[0])}: missing") from None
-        first = next((i for i, m in enumerate(mask) if m), 0)
-        if first > 0:
-            prompts.append(Prompt(f"eval:{record.get('id', line)}", list(ids[:first])))
-    return prompts
-
-
-def file_prompts(path: Path, tokenizer, limit: int) -> list[Prompt]:
-    """One user message per non-empty line, rendered with the chat template's generation prompt."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise DraftflowError(f"{path}: the tokenizer has no chat template to render the prompts with")
-    prompts = []
-    with open(path, encoding="utf-8") as f:
-        for line, text in enumerate(f, start=1):
-            if len(prompts) >= limit:
-                break
-            if text.strip():
-                rendered = tokenizer.apply_chat_template(
-                    [{"role": "user", "content": text.strip()}], tokenize=False, add_generation_prompt=True
+        sample = read(i)
+        if isinstance(sample, BadRead):
+            if on_bad_sample == "fail":
+                raise DraftflowError(
+                    f"evaluate: a stored sample cannot be read: {sample.message()}; "
+                    "or set evaluate.on_bad_sample: skip to leave such samples out and count them"
                 )
-                prompts.append(Prompt(f"file:{line}", tokenizer(rendered, add_special_tokens=False)["input_ids"]))
-    return prompts
+            log.warning("evaluate: skipping %s", sample.message())
+            result.skipped.append({"range": sample.range_dir, "sample_id": sample.sample_id, "reason": sample.reason})
+            continue
+        args = (torch.from_numpy(sample.input_ids), torch.from_numpy(sample.loss_mask), sample.hidden, steps)
+        if temperature > 0:
+            result.add_expected(*chain_overlaps(drafter, head, *args, temperature))
+        else:
+            result.add(*chain_lengths(drafter, head, *args))
+    return result
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
@@ -210,14 +267,14 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-# ---------------------------------------------------------------- real acceptance
+# ---------------------------------------------------------------- real acceptance (HF engine)
 
 
 @dataclass
 class MethodResult:
     stats: AcceptanceStats
     matches_greedy: int = 0
-    prompts: int = 0
+    prompts: int = 0  # requests (an MT-bench question with two turns counts twice)
 
     def as_json(self, greedy_seconds: float) -> dict:
         out = self.stats.as_json()
@@ -225,6 +282,21 @@ class MethodResult:
         out["matches_greedy"] = self.matches_greedy
         out["prompts"] = self.prompts
         return out
+
+    def state(self) -> dict:
+        return {"stats": asdict(self.stats), "matches_greedy": self.matches_greedy, "prompts": self.prompts}
+
+    @classmethod
+    def from_state(cls, d: dict) -> "MethodResult":
+        return cls(AcceptanceStats(**d["stats"]), d["matches_greedy"], d["prompts"])
+
+    def __add__(self, other: "MethodResult") -> "MethodResult":
+        a, b = self.stats, other.stats
+        stats = AcceptanceStats(
+            a.k, a.steps + b.steps, a.emitted + b.emitted, a.generated + b.generated, a.seconds + b.seconds,
+            [x + y for x, y in zip(a.reached, b.reached)], [x + y for x, y in zip(a.accepted, b.accepted)],
+        )  # fmt: skip
+        return MethodResult(stats, self.matches_greedy + other.matches_greedy, self.prompts + other.prompts)
 
 
 def run_real(
@@ -234,62 +306,120 @@ def run_real(
     draft_tokens: Sequence[int],
     max_new_tokens: int,
     eos_ids: set[int],
+    tokenizer=None,
+    outputs: list[dict] | None = None,
 ) -> tuple[dict[str, dict[int, MethodResult]], AcceptanceStats]:
-    """Every proposer at every K on every prompt; plain greedy once per prompt as the reference."""
+    """Every proposer at every K on every turn of every prompt; plain greedy once per turn as the
+    reference (later turns of a multi-turn prompt follow the greedy answer). Decoded tokens and
+    per-step proposed/accepted counts go to `outputs` when given."""
     results = {p.name: {k: MethodResult(AcceptanceStats(k)) for k in draft_tokens} for p in proposers}
     greedy = AcceptanceStats(1)
     # warm-up (kernels, allocator) so that the first timed method is not penalized
     greedy_decode(target, prompts[0].ids, 4, eos_ids)
     for proposer in proposers:
         speculative_decode(target, proposer, prompts[0].ids, max(draft_tokens), 4, eos_ids)
+    record = outputs.append if outputs is not None else (lambda r: None)
+    progress = Progress(len(prompts), "prompts", every_s=10.0, logger=log)
     for n, prompt in enumerate(prompts, start=1):
-        reference: DecodeResult = greedy_decode(target, prompt.ids, max_new_tokens, eos_ids)
-        greedy.add(reference)
-        for proposer in proposers:
-            for k in draft_tokens:
-                out = speculative_decode(target, proposer, prompt.ids, k, max_new_tokens, eos_ids)
-                r = results[proposer.name][k]
-                r.stats.add(out)
-                r.prompts += 1
-                if out.tokens == reference.tokens:
-                    r.matches_greedy += 1
-                else:  # a floating-point tie flipped between a (k+1)-token and a 1-token forward
-                    log.warning("%s K=%d: output differs from greedy on prompt %s", proposer.name, k, prompt.source)
-        log.info("prompt %d/%d (%s): %d tokens", n, len(prompts), prompt.source, len(reference.tokens))
+        ids, answers = prompt.ids, []
+        for turn in range(1, prompt.turns + 1):
+            reference: DecodeResult = greedy_decode(target, ids, max_new_tokens, eos_ids)
+            greedy.add(reference)
+            record({"source": prompt.source, "turn": turn, "method": "greedy", "prompt_tokens": len(ids),
+                    "tokens": reference.tokens})  # fmt: skip
+            for proposer in proposers:
+                for k in draft_tokens:
+                    out = speculative_decode(target, proposer, ids, k, max_new_tokens, eos_ids)
+                    r = results[proposer.name][k]
+                    r.stats.add(out)
+                    r.prompts += 1
+                    if out.tokens == reference.tokens:
+                        r.matches_greedy += 1
+                    else:  # a floating-point tie flipped between a (k+1)-token and a 1-token forward
+                        log.warning("%s K=%d: output differs from greedy on %s", proposer.name, k, prompt.source)
+                    record({"source": prompt.source, "turn": turn, "method": proposer.name, "draft_tokens": k,
+                            "tokens": out.tokens, "proposed": out.proposed, "accepted": out.accepted})  # fmt: skip
+            if turn < prompt.turns:
+                answers.append(tokenizer.decode(reference.tokens, skip_special_tokens=True))
+                ids = prompt.next_turn(tokenizer, answers)
+        progress.update(n, extra=f"{prompt.source}: {len(reference.tokens)} tokens")
     return results, greedy
+
+
+# ---------------------------------------------------------------- the per-set table
+
+
+def table_row(prompt_set: str, engine: str, method: str, k: int, temperature: float, **values) -> dict:
+    """One row of acceptance.json's `per_set` table (the same columns for every engine)."""
+    row = {"prompt_set": prompt_set, "engine": engine, "method": method, "draft_tokens": k,
+           "temperature": temperature}  # fmt: skip
+    row.update(values)
+    steps, generated, seconds = row.get("verify_steps"), row.get("generated_tokens"), row.get("seconds")
+    # SpecForge's bench_eagle3 and SGLang's per-request spec_accept_length: completion tokens
+    # (the prefill's first token included) per verify step; τ above excludes that first token.
+    row["acceptance_length_specforge"] = generated / steps if steps else None
+    row["tokens_per_second"] = generated / seconds if generated is not None and seconds else None
+    return row
+
+
+def hf_rows(name: str, real: dict[str, dict[int, MethodResult]], greedy: AcceptanceStats) -> list[dict]:
+    requests = next(iter(next(iter(real.values())).values())).prompts
+    rows = [table_row(name, "hf", "baseline", 0, 0.0, requests=requests, generated_tokens=greedy.generated,
+                      seconds=greedy.seconds)]  # fmt: skip
+    for method, per_k in real.items():
+        for k, r in sorted(per_k.items()):
+            s = r.stats
+            rows.append(table_row(
+                name, "hf", method, k, 0.0, acceptance_length=s.tau, alpha=s.alpha,
+                acceptance_rate_per_position=[a / s.steps if s.steps else 0.0 for a in s.accepted],
+                accepted=s.accepted, reached=s.reached, verify_steps=s.steps, generated_tokens=s.generated,
+                seconds=s.seconds, speedup=greedy.seconds / s.seconds if s.seconds else None,
+                matches_greedy=r.matches_greedy, requests=r.prompts,
+            ))  # fmt: skip
+    return rows
 
 
 # ---------------------------------------------------------------- outputs
 
-CSV_FIELDS = ["method", "measured", "draft_tokens", "acceptance_length", "speedup", "generated_tokens", "verify_steps"]
+CSV_FIELDS = ["prompt_set", "engine", "method", "measured", "draft_tokens", "temperature", "acceptance_length",
+              "acceptance_length_specforge", "speedup", "tokens_per_second", "generated_tokens", "verify_steps"]  # fmt: skip
 
 
 def csv_rows(report: dict) -> list[dict]:
-    """One row per (method, K) and one for the simulated τ; α_i in columns alpha_1..alpha_K."""
+    """The simulated τ, one row per (method, K) over all prompts (prompt_set `all`), then the
+    per-set table; α_i in columns alpha_1..alpha_K."""
+    engine = report.get("engine", "hf")
+    t0 = report["settings"]["temperatures"][0]
     rows = []
-    sim = report["simulated"]
-    rows.append({"method": "eagle3", "measured": "simulated", "draft_tokens": sim["draft_tokens"],
-                 "acceptance_length": sim["acceptance_length"], "alpha": sim["alpha"]})  # fmt: skip
+    sim = report.get("simulated")
+    if sim:
+        rows.append({"prompt_set": "eval", "engine": engine, "method": "eagle3", "measured": "simulated",
+                     "draft_tokens": sim["draft_tokens"], "acceptance_length": sim["acceptance_length"],
+                     "alpha": sim["alpha"]})  # fmt: skip
     for method in ("eagle3", "ngram"):
-        for k, r in report[method].items():
+        for k, r in (report.get(method) or {}).items():
             rows.append({
-                "method": method, "measured": "real", "draft_tokens": int(k),
-                "acceptance_length": r["acceptance_length"], "speedup": r["speedup"],
-                "generated_tokens": r["generated_tokens"], "verify_steps": r["verify_steps"], "alpha": r["alpha"],
+                "prompt_set": "all", "engine": engine, "method": method, "measured": "real", "draft_tokens": int(k),
+                "temperature": t0, "acceptance_length": r["acceptance_length"], "speedup": r["speedup"],
+                "tokens_per_second": r.get("tokens_per_second"), "generated_tokens": r["generated_tokens"],
+                "verify_steps": r["verify_steps"], "alpha": r["alpha"],
             })  # fmt: skip
+    for row in report["per_set"]:
+        rows.append({**{k: row.get(k) for k in CSV_FIELDS if k in row}, "measured": "real", "alpha": row.get("alpha", [])})
     return rows
 
 
 def write_csv(path: Path, rows: list[dict], k_max: int) -> None:
     alpha_fields = [f"alpha_{i}" for i in range(1, k_max + 1)]
     with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS + alpha_fields, restval="")
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS + alpha_fields, restval="", extrasaction="ignore")
         writer.writeheader()
         for row in rows:
             row = dict(row)
-            alphas = row.pop("alpha")
+            alphas = row.pop("alpha") or []
             row.update({f"alpha_{i}": f"{a:.4f}" for i, a in enumerate(alphas, start=1)})
             row.update({k: f"{v:.4f}" for k, v in row.items() if isinstance(v, float)})
+            row.update({k: "" for k, v in row.items() if v is None})
             writer.writerow(row)
 
 
@@ -303,6 +433,8 @@ class EvaluateInputs:
     eval_ranges: tuple[Path, ...]
     eval_data: Path | None
     output_dir: Path
+    state_dir: Path | None = None
+    served_drafter: Path | None = None  # export/<engine>: what a served engine loads
 
 
 def _check_layers(cfg, settings: EvaluateSettings, drafter_dir: Path) -> None:
@@ -313,69 +445,218 @@ def _check_layers(cfg, settings: EvaluateSettings, drafter_dir: Path) -> None:
         )
 
 
-def run_evaluate(inputs: EvaluateInputs, settings: EvaluateSettings) -> dict:
-    from draftflow.hidden_states.storage import HiddenStateReader
+def load_sets(settings: EvaluateSettings, tokenizer, eval_data: Path | None, max_tokens: int | None) -> list[PromptSet]:
+    sets = []
+    for spec in specs_from_settings(settings.prompt_sets, settings.prompts_file):
+        ps = load_prompt_set(spec, tokenizer, eval_data, spec.max_prompts or settings.max_prompts, max_tokens)
+        if ps.skipped:
+            log.warning("prompt set %s: skipped %d prompts longer than %s tokens", ps.name, ps.skipped, max_tokens)
+        if not ps.prompts:
+            log.warning("prompt set %s: no prompts", ps.name)
+        sets.append(ps)
+    if not any(ps.prompts for ps in sets):
+        raise DraftflowError(
+            "evaluate: no prompts in any prompt set (give --eval-data with assistant turns, or a non-empty "
+            "set in evaluate.prompt_sets)"
+        )
+    return [ps for ps in sets if ps.prompts]
+
+
+def _target_identity(path: Path) -> str:
+    from draftflow.target import target_identity
+
+    return target_identity(path) if (path / "config.json").is_file() else str(path)
+
+
+def run_hf(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, list[dict]]:
+    from draftflow.hidden_states.storage import HiddenStateReader, check_present
     from draftflow.target import load_target, resolve_device
     from draftflow.drafters.train import load_drafter
 
+    reader = HiddenStateReader(list(inputs.eval_ranges)) if inputs.eval_ranges else None
+    if reader is not None:  # every stored sample it will read is there (stat only), before loading models
+        check_present(reader, "evaluation (--eval-ranges)", settings.on_bad_sample)
     device = resolve_device(settings.device)
     dtype = torch.float32 if device.type == "cpu" else "auto"  # CPU half-precision matmuls are slow
-    model, tokenizer = load_target(inputs.target, dtype=dtype, device=str(device))
+    model, tokenizer = load_target(inputs.target, dtype=dtype, device=str(device),
+                                   trust_remote_code=settings.trust_remote_code)  # fmt: skip
     drafter, cfg = load_drafter(inputs.drafter, inputs.target, device=device, dtype=next(model.parameters()).dtype)
     _check_layers(cfg, settings, inputs.drafter)
     head = TargetHead(model.get_output_embeddings().weight, drafter.t2d).to(device)
 
     simulated = SimulatedAcceptance(settings.k_max)
-    if inputs.eval_ranges:
-        simulated = simulate(drafter, head, HiddenStateReader(list(inputs.eval_ranges)), settings.k_max)
+    if reader is not None:
+        simulated = simulate(drafter, head, reader, settings.k_max, on_bad_sample=settings.on_bad_sample)
     log.info("simulated τ (K=%d) %.3f over %d samples", settings.k_max, simulated.tau, simulated.samples)
 
-    prompts: list[Prompt] = []
-    if settings.prompts_file:
-        prompts += file_prompts(Path(settings.prompts_file), tokenizer, settings.max_prompts)
-    if inputs.eval_data:
-        prompts += eval_prompts(inputs.eval_data, settings.max_prompts - len(prompts))
     limit = getattr(model.config, "max_position_embeddings", None)
-    if limit:
-        too_long = [p.source for p in prompts if len(p.ids) + settings.max_new_tokens > limit]
-        if too_long:
-            log.warning("skipping %d prompts longer than %d - max_new_tokens: %s", len(too_long), limit, too_long[:5])
-        prompts = [p for p in prompts if len(p.ids) + settings.max_new_tokens <= limit]
-    if not prompts:
-        raise DraftflowError("evaluate: no prompts (give --eval-data with assistant turns, or evaluate.prompts_file)")
+    sets = load_sets(settings, tokenizer, inputs.eval_data, limit - settings.max_new_tokens if limit else None)
+    state = UnitState(inputs.state_dir, settings_key({
+        "engine": "hf", "drafter": folder_digest(inputs.drafter), "target": _target_identity(inputs.target),
+        "draft_tokens": sorted(settings.draft_tokens), "max_new_tokens": settings.max_new_tokens,
+        "ngram_max": settings.ngram_max, "device": str(device),
+    }))  # fmt: skip
 
+    ks = sorted(settings.draft_tokens)
+    per_set: dict[str, tuple[dict[str, dict[int, MethodResult]], AcceptanceStats, list[dict]]] = {}
     target = Target(model, cfg.aux_layer_ids)
     try:
         proposers = [Eagle3Proposer(drafter), NgramProposer(settings.ngram_max)]
-        real, greedy = run_real(
-            target, proposers, prompts, sorted(settings.draft_tokens), settings.max_new_tokens,
-            eos_token_ids(model, tokenizer),
-        )  # fmt: skip
+        for ps in sets:
+            saved = state.load(ps, "hf", 0.0)
+            if saved is not None:
+                log.info("prompt set %s: already measured (state %s)", ps.name, state.folder)
+                real = {m: {int(k): MethodResult.from_state(r) for k, r in per_k.items()} for m, per_k in saved["real"].items()}
+                per_set[ps.name] = (real, AcceptanceStats(**saved["greedy"]), saved["outputs"])
+                continue
+            log.info("prompt set %s: %d prompts, %d requests", ps.name, len(ps.prompts), ps.requests)
+            outputs: list[dict] = []
+            real, greedy = run_real(target, proposers, ps.prompts, ks, settings.max_new_tokens,
+                                    eos_token_ids(model, tokenizer), tokenizer, outputs)  # fmt: skip
+            state.save(ps, "hf", 0.0, {
+                "real": {m: {str(k): r.state() for k, r in per_k.items()} for m, per_k in real.items()},
+                "greedy": asdict(greedy), "outputs": outputs})  # fmt: skip
+            per_set[ps.name] = (real, greedy, outputs)
     finally:
         target.close()
 
+    # all prompts together: the top-level figures (as before prompt sets existed)
+    names = [p.name for p in proposers]
+    pooled = {m: {k: sum((per_set[s][0][m][k] for s in per_set), MethodResult(AcceptanceStats(k))) for k in ks}
+              for m in names}  # fmt: skip
+    greedy = AcceptanceStats(1)
+    for _, g, _ in per_set.values():
+        greedy = AcceptanceStats(1, greedy.steps + g.steps, greedy.emitted + g.emitted, greedy.generated + g.generated,
+                                 greedy.seconds + g.seconds)  # fmt: skip
     report = {
-        "acceptance_length": real["eagle3"][settings.k_max].stats.tau,
+        "engine": "hf",
+        "acceptance_length": pooled["eagle3"][settings.k_max].stats.tau,
         "acceptance_length_measured": "real: greedy chain speculative decoding against the target, "
-        f"K={settings.k_max}, tokens per verify step",
+        f"K={settings.k_max}, tokens per verify step, all prompt sets",
         "acceptance_length_simulated": simulated.tau,
         "simulated": simulated.as_json(),
-        "eagle3": {str(k): r.as_json(greedy.seconds) for k, r in real["eagle3"].items()},
-        "ngram": {str(k): r.as_json(greedy.seconds) for k, r in real["ngram"].items()},
+        "eagle3": {str(k): r.as_json(greedy.seconds) for k, r in pooled["eagle3"].items()},
+        "ngram": {str(k): r.as_json(greedy.seconds) for k, r in pooled["ngram"].items()},
         "greedy": {"generated_tokens": greedy.generated, "seconds": greedy.seconds,
                    "tokens_per_second": greedy.generated / greedy.seconds if greedy.seconds else None},  # fmt: skip
-        "prompts": {"count": len(prompts), "from_file": sum(p.source.startswith("file:") for p in prompts),
-                    "from_eval": sum(p.source.startswith("eval:") for p in prompts)},  # fmt: skip
-        "settings": {**asdict(settings), "draft_tokens": list(settings.draft_tokens)},
+        "per_set": [row for ps in sets for row in hf_rows(ps.name, per_set[ps.name][0], per_set[ps.name][1])],
+        "prompt_sets": {ps.name: {"kind": ps.kind, "prompts": len(ps.prompts), "requests": ps.requests,
+                                  "skipped_too_long": ps.skipped} for ps in sets},  # fmt: skip
+        "prompts": {"count": sum(len(ps.prompts) for ps in sets),
+                    "from_file": sum(len(ps.prompts) for ps in sets if ps.kind == "lines"),
+                    "from_eval": sum(len(ps.prompts) for ps in sets if ps.kind == "eval")},  # fmt: skip
         "drafter": str(inputs.drafter),
-        "target": str(inputs.target),
         "aux_layer_ids": list(cfg.aux_layer_ids),
         "device": str(device),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
     }
+    outputs = [{"prompt_set": ps.name, "temperature": 0.0, **o} for ps in sets for o in per_set[ps.name][2]]
+    return report, outputs
+
+
+def run_served_engine(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, list[dict]]:
+    from transformers import AutoTokenizer
+
+    from draftflow.evaluation.served import ServedRun, ServerSettings
+
+    server = ServerSettings.from_dict(settings.server)
+    if not server.endpoint and (inputs.served_drafter is None or not inputs.served_drafter.is_dir()):
+        raise DraftflowError(
+            f"evaluate.engine {settings.engine} serves the exported drafter: give --served-drafter "
+            f"(results/export/{settings.engine}), or a running server in evaluate.server.endpoint"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(inputs.target, local_files_only=True,
+                                              trust_remote_code=settings.trust_remote_code)  # fmt: skip
+    sets = load_sets(settings, tokenizer, inputs.eval_data, None)
+    state = UnitState(inputs.state_dir, settings_key({
+        "engine": settings.engine, "target": _target_identity(inputs.target),
+        "drafter": folder_digest(inputs.served_drafter) if inputs.served_drafter and not server.endpoint else None,
+        # operational keys (timeouts, port, concurrency) do not change what is measured
+        "server": {k: v for k, v in asdict(server).items() if k not in ("startup_timeout_s", "request_timeout_s",
+                   "check_gpus", "concurrency", "host", "port")},  # fmt: skip
+        "max_new_tokens": settings.max_new_tokens,
+    }))  # fmt: skip
+    run = ServedRun(settings.engine, server, inputs.target, inputs.served_drafter, settings.trust_remote_code,
+                    str(settings.engine_version), settings.draft_tokens, settings.temperatures, settings.max_new_tokens,
+                    state, (inputs.state_dir or inputs.output_dir) / "logs")  # fmt: skip
+    units = run.run(sets, tokenizer)
+    return served_report(units, sets, settings, inputs), served_outputs(units)
+
+
+def served_report(units, sets: list[PromptSet], settings: EvaluateSettings, inputs: EvaluateInputs) -> dict:
+    """The same report as the HF engine's, from served units (no simulated τ, no n-gram)."""
+    from draftflow.evaluation.engine_counters import SpecCounts
+
+    engine, t0 = settings.engine, settings.temperatures[0]
+    baseline = {(u.prompt_set, u.temperature): u for u in units if not u.k}
+    rows = []
+    for u in units:
+        base = baseline.get((u.prompt_set, u.temperature))
+        tps = u.generated_tokens / u.seconds if u.seconds else None
+        base_tps = base.generated_tokens / base.seconds if base and base.seconds else None
+        values = dict(generated_tokens=u.generated_tokens, seconds=u.seconds, requests=u.requests,
+                      server=u.server_info)  # fmt: skip
+        if u.counts is not None:
+            values.update(u.counts.as_json())
+            values["speedup"] = tps / base_tps if tps and base_tps else None
+        rows.append(table_row(u.prompt_set, engine, "eagle3" if u.k else "baseline", u.k, u.temperature, **values))
+    measured = [u for u in units if u.k and u.temperature == t0]
+    ks = sorted({u.k for u in measured})
+    eagle3 = {}
+    for k in ks:
+        mine = [u for u in measured if u.k == k]
+        counts = sum((u.counts for u in mine), SpecCounts(k))
+        generated, seconds = sum(u.generated_tokens for u in mine), sum(u.seconds for u in mine)
+        base = [baseline[(u.prompt_set, t0)] for u in mine if (u.prompt_set, t0) in baseline]
+        base_tps = sum(b.generated_tokens for b in base) / sum(b.seconds for b in base) if base else None
+        eagle3[str(k)] = {**counts.as_json(), "draft_tokens": k, "generated_tokens": generated, "seconds": seconds,
+                          "tokens_per_second": generated / seconds if seconds else None,
+                          "speedup": (generated / seconds) / base_tps if seconds and base_tps else None,
+                          "prompts": sum(u.requests for u in mine)}  # fmt: skip
+    base_units = [u for u in units if not u.k and u.temperature == t0]
+    b_gen, b_sec = sum(u.generated_tokens for u in base_units), sum(u.seconds for u in base_units)
+    k_max = str(ks[-1]) if ks else None
+    return {
+        "engine": engine,
+        "acceptance_length": eagle3[k_max]["acceptance_length"] if k_max else None,
+        "acceptance_length_measured": f"served: {engine} counters, K={k_max}, temperature {t0:g}, "
+        "1 + accepted drafts per verify step, all prompt sets",
+        "acceptance_length_simulated": None,
+        "simulated": None,
+        "eagle3": eagle3,
+        "ngram": {},
+        "greedy": {"generated_tokens": b_gen, "seconds": b_sec, "tokens_per_second": b_gen / b_sec if b_sec else None}
+        if base_units else None,
+        "per_set": rows,
+        "prompt_sets": {ps.name: {"kind": ps.kind, "prompts": len(ps.prompts), "requests": ps.requests,
+                                  "skipped_too_long": ps.skipped} for ps in sets},  # fmt: skip
+        "prompts": {"count": sum(len(ps.prompts) for ps in sets),
+                    "from_file": sum(len(ps.prompts) for ps in sets if ps.kind == "lines"),
+                    "from_eval": sum(len(ps.prompts) for ps in sets if ps.kind == "eval")},  # fmt: skip
+        "drafter": str(inputs.served_drafter or settings.server.get("endpoint")),
+        "aux_layer_ids": list(settings.aux_layer_ids) if settings.aux_layer_ids else None,
+    }
+
+
+def served_outputs(units) -> list[dict]:
+    return [{"prompt_set": u.prompt_set, "method": "eagle3" if u.k else "baseline", "draft_tokens": u.k,
+             "temperature": u.temperature, **o} for u in units for o in u.outputs]  # fmt: skip
+
+
+def run_evaluate(inputs: EvaluateInputs, settings: EvaluateSettings) -> dict:
+    """Measure everything first, then write: a failed run leaves no acceptance.json."""
+    if settings.engine == "hf":
+        report, outputs = run_hf(inputs, settings)
+    else:
+        report, outputs = run_served_engine(inputs, settings)
+    report["settings"] = {**asdict(settings), "draft_tokens": list(settings.draft_tokens),
+                          "temperatures": list(settings.temperatures)}  # fmt: skip
+    report["target"] = str(inputs.target)
     inputs.output_dir.mkdir(parents=True, exist_ok=True)
+    write_jsonl(inputs.output_dir / "outputs.jsonl", outputs)
+    k_max = max([settings.k_max] + [int(k) for k in report["eagle3"]])
+    write_csv(inputs.output_dir / "acceptance.csv", csv_rows(report), k_max)
     write_json(inputs.output_dir / "acceptance.json", report)
-    write_csv(inputs.output_dir / "acceptance.csv", csv_rows(report), settings.k_max)
     return report
 
 
@@ -383,23 +664,33 @@ def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
     from draftflow.cli import settings_arg
 
     parser.add_argument("--drafter", type=Path, required=True, help="drafter folder (config.json + model.safetensors)")
-    parser.add_argument("--target", type=Path, required=True, help="target model folder")
+    parser.add_argument("--target", type=Path, required=True, help="target model folder (served engines: its tokenizer)")
     parser.add_argument("--eval-ranges", type=Path, nargs="*", default=[], metavar="RANGE_DIR",
                         help="eval split range folders (index.json) for the simulated acceptance")  # fmt: skip
     parser.add_argument(
         "--eval-data", type=Path, help="merged eval.jsonl: prompts = tokens before the first assistant token"
     )
     parser.add_argument("--settings", type=settings_arg, default={}, help="config `evaluate` + aux_layer_ids, as JSON")
-    parser.add_argument("--output-dir", type=Path, required=True, help="writes acceptance.json and acceptance.csv")
+    parser.add_argument("--output-dir", type=Path, required=True,
+                        help="writes acceptance.json, acceptance.csv and outputs.jsonl")  # fmt: skip
+    parser.add_argument("--state-dir", type=Path, default=None,
+                        help="finished prompt sets, kept across reruns (resume); none: no resume")  # fmt: skip
+    parser.add_argument("--served-drafter", type=Path, default=None,
+                        help="engine sglang / vllm: the exported drafter folder the engine loads")  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
     settings = EvaluateSettings.from_dict(args.settings)
-    inputs = EvaluateInputs(args.drafter, args.target, tuple(args.eval_ranges), args.eval_data, args.output_dir)
+    inputs = EvaluateInputs(args.drafter, args.target, tuple(args.eval_ranges), args.eval_data, args.output_dir,
+                            args.state_dir, args.served_drafter)  # fmt: skip
     report = run_evaluate(inputs, settings)
-    log.info(
-        "acceptance length: real %.3f (K=%d), simulated %.3f; n-gram baseline %.3f",
-        report["acceptance_length"], settings.k_max, report["acceptance_length_simulated"],
-        report["ngram"][str(settings.k_max)]["acceptance_length"],
-    )  # fmt: skip
+    k = str(max(int(k) for k in report["eagle3"])) if report["eagle3"] else None
+    log.info("acceptance length (%s, K=%s): %s", report["engine"], k, report["acceptance_length"])
+    if report["ngram"]:
+        log.info("simulated %.3f; n-gram baseline %.3f", report["acceptance_length_simulated"],
+                 report["ngram"][k]["acceptance_length"])  # fmt: skip
+    for name in report["prompt_sets"]:
+        taus = [f"K={r['draft_tokens']} t={r['temperature']:g}: {r['acceptance_length']:.3f}" for r in report["per_set"]
+                if r["prompt_set"] == name and r["method"] == "eagle3"]  # fmt: skip
+        log.info("  %s: %s", name, ", ".join(taus))
     return 0

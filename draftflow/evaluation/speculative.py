@@ -85,13 +85,20 @@ class Target:
     def __len__(self) -> int:
         return self.cache.get_seq_length()
 
-    @torch.inference_mode()
     def forward(
         self, ids: Sequence[int], capture: bool = False, last: int | None = None
     ) -> tuple[list[int], torch.Tensor | None]:
         """ids [S] -> (greedy next token after each of the last `last` ids (default all),
         aux [S, n_aux, H] or None). A prompt's forward needs only the last position's logits,
         which keeps a long prompt from materializing [S, vocab] logits."""
+        logits, aux = self.logits(ids, capture, last)
+        return logits.argmax(-1).tolist(), aux
+
+    @torch.inference_mode()
+    def logits(
+        self, ids: Sequence[int], capture: bool = False, last: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As `forward`, with the next-token logits [S or last, V] instead of their argmax."""
         self._capture = capture and bool(self.aux_layer_ids)
         kwargs = {self._cache_arg: self.cache}
         if last is not None and self._keep_arg:
@@ -104,7 +111,7 @@ class Target:
         finally:
             self._capture = False
             self._captured = [None] * len(self.aux_layer_ids)
-        return logits[0].argmax(-1).tolist(), aux
+        return logits[0], aux
 
     def crop(self, length: int) -> None:
         """Keep the first `length` cache entries (a negative crop works on every transformers version)."""
@@ -161,6 +168,17 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], new_aux: torch.Tensor | None, k: int) -> list[int]:
+        return self._draft(tokens, new_aux, k)[0]
+
+    @torch.inference_mode()
+    def propose_sampled(
+        self, tokens: list[int], new_aux: torch.Tensor | None, k: int, temperature: float, generator: torch.Generator
+    ) -> tuple[list[int], torch.Tensor]:
+        """Drafts sampled from softmax(drafter logits / temperature), with that distribution over
+        the target vocabulary for each draft: (drafts, q [k, V] float64, CPU)."""
+        return self._draft(tokens, new_aux, k, (temperature, generator))
+
+    def _draft(self, tokens, new_aux, k, sampling=None) -> tuple[list[int], torch.Tensor | None]:
         S = 0 if new_aux is None else new_aux.shape[0]
         n = self.rows
         if len(tokens) != n + S + 1:
@@ -174,13 +192,29 @@ class Eagle3Proposer:
         logits, out, _ = self.drafter.step(ids, hidden, positions, self.cache)
         self.rows = n + S
         drafts: list[int] = []  # k = 0: the rows are fed, nothing is drafted
+        qs: list[torch.Tensor] = []
         for i in range(k):
-            draft = self.drafter.to_target_ids(logits[:, -1].argmax(-1))  # [1] target id
+            if sampling is None:
+                d = logits[0, -1].argmax(-1)  # draft id
+            else:
+                temperature, generator = sampling
+                q = torch.softmax(logits[0, -1].double().cpu() / temperature, -1)  # [Vd]
+                d = torch.multinomial(q, 1, generator=generator)[0].to(self.device)
+                qs.append(q)
+            draft = self.drafter.to_target_ids(d[None])  # [1] target id
             drafts.append(int(draft))
             if i + 1 < k:  # feed it back with the drafter's own (pre-norm) hidden state
                 pos = torch.tensor([[n + S + i]], device=self.device)
                 logits, out, _ = self.drafter.step(draft[:, None], out[:, -1:], pos, self.cache)
-        return drafts
+        if sampling is None:
+            return drafts, None
+        cfg = self.drafter.config
+        q_target = torch.zeros(len(qs), cfg.vocab_size, dtype=torch.float64)  # [k, V]
+        if qs:
+            q_target[:, self.drafter.to_target_ids(torch.arange(cfg.draft_vocab_size, device=self.device)).cpu()] = (
+                torch.stack(qs)
+            )
+        return drafts, q_target
 
 
 class NgramProposer:
@@ -287,6 +321,107 @@ def speculative_decode(
         target.crop(base + 1 + a)  # keep t and the accepted drafts
         aux = aux[: a + 1] if aux is not None else None
         new = drafts[:a] + [greedy[a]]
+        keep = _stop_index(new, max_new_tokens - len(out.tokens), eos_ids)
+        out.tokens += new[:keep]
+        seq += new[:keep]
+        out.proposed.append(len(drafts))
+        out.accepted.append(a)
+    _sync(target.device)
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+# ---------------------------------------------------------------- sampling (temperature > 0)
+
+
+def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[.., V] logits -> softmax(logits / temperature) in float64 on the CPU (exact sampling arithmetic)."""
+    return torch.softmax(logits.double().cpu() / temperature, dim=-1)
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator)[0])
+
+
+def verify_sampled(
+    p: torch.Tensor, drafts: Sequence[int], q: torch.Tensor | None, generator: torch.Generator
+) -> tuple[int, int]:
+    """Speculative sampling's verification of one chain (Leviathan et al. 2023, Chen et al. 2023).
+
+    p [n+1, V]: the target's distribution after t, d_1 .. d_n (row i decides d_{i+1}, row n the
+    bonus); q [n, V]: the distribution each draft was sampled from (None: deterministic drafts,
+    q = one-hot). Draft i is accepted with probability min(1, p_i(d)/q_i(d)); the first rejected
+    one is replaced by a sample of norm(max(0, p_i - q_i)), and if all are accepted a bonus token
+    comes from p_n. Every emitted token is then distributed exactly as the target's own sampling.
+    Returns (accepted drafts a, the token emitted after them).
+    """
+    for i, d in enumerate(drafts):
+        q_i = q[i] if q is not None else torch.nn.functional.one_hot(torch.tensor(d), p.shape[-1]).to(p.dtype)
+        if float(torch.rand((), generator=generator, dtype=torch.float64)) * float(q_i[d]) < float(p[i, d]):
+            continue  # u < p/q, written without dividing (q_i(d) > 0: d was drawn from q_i)
+        residual = (p[i] - q_i).clamp_min(0.0)
+        total = float(residual.sum())
+        return i, _sample(residual / total if total > 0 else p[i], generator)
+    return len(drafts), _sample(p[len(drafts)], generator)
+
+
+def sample_decode(
+    target: Target, prompt: Sequence[int], max_new_tokens: int, eos_ids: set[int], temperature: float,
+    generator: torch.Generator,
+) -> DecodeResult:  # fmt: skip
+    """Plain sampling from the target at `temperature`: the reference speed at this temperature."""
+    target.reset()
+    _sync(target.device)
+    start = time.perf_counter()
+    logits, _ = target.logits(prompt, last=1)
+    tokens = [_sample(target_probs(logits[-1], temperature), generator)]
+    while len(tokens) < max_new_tokens and tokens[-1] not in eos_ids:
+        logits, _ = target.logits(tokens[-1:])
+        tokens.append(_sample(target_probs(logits[-1], temperature), generator))
+    _sync(target.device)
+    return DecodeResult(tokens, time.perf_counter() - start)
+
+
+def speculative_sample(
+    target: Target,
+    proposer: Proposer,
+    prompt: Sequence[int],
+    k: int,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    temperature: float,
+    generator: torch.Generator,
+) -> DecodeResult:
+    """Chain speculative sampling at `temperature` > 0: the output is distributed as the target's
+    own sampling at that temperature (`verify_sampled`). Proposers with `propose_sampled` draft
+    by sampling and report their distribution; others (n-gram) draft deterministically."""
+    if k < 1:
+        raise DraftflowError(f"draft tokens must be >= 1, got {k}")
+    if temperature <= 0:
+        raise DraftflowError(f"speculative sampling needs a temperature > 0, got {temperature}")
+    capture = proposer.needs_aux
+    sampled = hasattr(proposer, "propose_sampled")
+    target.reset()
+    proposer.reset()
+    _sync(target.device)
+    start = time.perf_counter()
+    logits, aux = target.logits(prompt, capture=capture, last=1)
+    out = DecodeResult([_sample(target_probs(logits[-1], temperature), generator)], 0.0)
+    seq = list(prompt) + out.tokens  # ends with the token the target has not read yet
+    while len(out.tokens) < max_new_tokens and out.tokens[-1] not in eos_ids:
+        k_eff = min(k, max_new_tokens - len(out.tokens) - 1)
+        if sampled:
+            drafts, q = proposer.propose_sampled(seq, aux, k_eff, temperature, generator)
+        else:
+            drafts, q = proposer.propose(seq, aux, k_eff), None
+        drafts = drafts[:k_eff]
+        q = q[: len(drafts)] if q is not None else None
+        base = len(target)
+        logits, aux = target.logits([seq[-1], *drafts], capture=capture)  # [n+1, V]
+        a, nxt = verify_sampled(target_probs(logits, temperature), drafts, q, generator)
+        target.crop(base + 1 + a)  # keep t and the accepted drafts
+        aux = aux[: a + 1] if aux is not None else None
+        new = drafts[:a] + [nxt]
         keep = _stop_index(new, max_new_tokens - len(out.tokens), eos_ids)
         out.tokens += new[:keep]
         seq += new[:keep]

@@ -29,6 +29,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -42,9 +43,12 @@ import numpy as np
 import torch
 
 import draftflow
+from draftflow.progress import Progress
+from draftflow.threads import default_threads, split_threads
 from draftflow.engines.capture import (
     CONVENTION,
     FINAL,
+    layer_meanings,
     CaptureEngine,
     CaptureError,
     capture_settings,
@@ -129,7 +133,8 @@ def read_records(path: str | Path, start: int, end: int) -> list[Record]:
 
 
 def resolve_settings(settings: dict, target_dir: str | Path) -> dict:
-    """Fill what the rule normally resolves (target identity, default aux ids) for hand runs."""
+    """Fill the target identity (by content: the store keys of a moved or copied model stay the
+    same, a rule run and a hand run agree) and, for hand runs, the default aux ids."""
     settings = dict(settings)
     if not settings.get("target_identity"):
         from draftflow.target import target_identity
@@ -331,22 +336,19 @@ class ExtractOptions:
 
 
 class _Progress:
-    def __init__(self, label: str, every_s: float):
-        self.label, self.every_s = label, every_s
-        self.start = self.last = time.monotonic()
+    """`progress:` lines in tokens to compute (what takes the time), with the sample counts."""
+
+    def __init__(self, label: str, every_s: float, tokens_to_compute: int):
+        self.label = label
+        self.ticker = Progress(tokens_to_compute, "tokens", every_s=every_s, logger=log)
 
     def update(self, stats: ExtractStats, tokens_left: int, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self.last < self.every_s:
-            return
-        self.last = now
-        rate = stats.tokens_computed / max(now - self.start, 1e-9)
-        eta = tokens_left / rate if rate > 0 else float("nan")
         done = stats.reused + stats.duplicates + stats.computed + stats.failed
-        log.info(
-            "%s: %d/%d samples (computed %d, reused %d, failed %d), %.0f tok/s, ETA %s",
-            self.label, done, stats.samples, stats.computed, stats.reused, stats.failed, rate, _fmt_s(eta),
+        extra = (
+            f"{self.label}: {done}/{stats.samples} samples (computed {stats.computed}, "
+            f"reused {stats.reused}, failed {stats.failed})"
         )
+        self.ticker.update(self.ticker.total - tokens_left, extra=extra, force=force)
 
 
 def _fmt_s(seconds: float) -> str:
@@ -413,7 +415,8 @@ class _RangeRun:
             self.store, self.options.compression_level, self.options.writer_threads, self.options.storage
         )
         self.ring = ring
-        self.progress = _Progress(self.label, self.options.log_every_s)
+        self.progress = _Progress(self.label, self.options.log_every_s, self.tokens_left)
+        self.progress.update(self.stats, self.tokens_left, force=True)  # 0/total: `draftflow status` sees the job
         for pos, key in enumerate(self.keys):
             if key in self.present:
                 self.futures[pos] = self.writer.submit_existing(key, self.records[pos].sample_id)
@@ -626,6 +629,19 @@ def range_meta(
     }
 
 
+def path_from(range_dir: Path, path: Path) -> str:
+    """`path` as the range index records it: relative to the range folder when given relative
+    (inside the workflow: the results folder can move), else absolute. `resolve_from` inverts it."""
+    path = Path(path)
+    if path.is_absolute():
+        return path.as_posix()
+    return Path(os.path.relpath(path.resolve(), Path(range_dir).resolve())).as_posix()
+
+
+def resolve_from(range_dir: Path, recorded: str) -> Path:
+    return (Path(range_dir) / recorded).resolve()
+
+
 def write_range(range_dir: Path, outcome: RangeOutcome, meta: dict) -> None:
     """failures.json, then index.json last: an index means the range is complete."""
     write_json(Path(range_dir) / FAILURES_NAME, outcome.failures)
@@ -664,6 +680,10 @@ def run_extract(
             meta = range_meta(outcome, engine, settings, split, start, end, store_root)
         finally:
             engine.close()
+    # What `draftflow verify --repair` needs to recompute a damaged sample bit for bit: the same
+    # records, target and settings (batch_tokens decides each batch's members).
+    meta.update(records=path_from(output, input_path), target_dir=path_from(output, target_dir),
+                extract_settings=settings)  # fmt: skip
     write_range(output, outcome, meta)
     s = outcome.stats
     log.info(
@@ -715,8 +735,10 @@ def summarize_hidden_states(range_dirs: Sequence[Path], max_seq_len: int | None 
     data_config = {
         "convention": CONVENTION,
         "aux_layer_ids": first["aux_layer_ids"],
-        # The user's style: aux ids + the last layer (captured after the final norm).
+        # The user's style: aux ids + the last layer, whose entry here is the final state
+        # (after the final norm); layer_meanings says exactly what each entry holds.
         "layer_ids": first["aux_layer_ids"] + [num_layers - 1],
+        "layer_meanings": layer_meanings(first["aux_layer_ids"], num_layers),
         "final": first["final"],
         "num_hidden_layers": num_layers,
         "engine": first["engine"],
@@ -774,6 +796,14 @@ def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
     parser.add_argument("--gpu-lock-dir", type=Path, default=None, help="host-wide GPU lock folder")
 
 
+def use_threads(settings: dict, threads: int) -> dict:
+    """The job's threads: the writer pool (encode, zstd, write) runs beside the capture loop."""
+    compute, writers = split_threads(threads, int(settings.get("writer_threads", 4)))
+    torch.set_num_threads(compute)
+    log.info("%d CPU thread(s): %d for the capture, %d writer(s)", threads, compute, writers)
+    return {**settings, "writer_threads": writers}  # not a capture setting: store keys unchanged
+
+
 def main(args: argparse.Namespace) -> int:
     if args.stage == "summarize-hidden-states":
         data_config, lengths = summarize_hidden_states(args.ranges, args.max_seq_len)
@@ -785,8 +815,9 @@ def main(args: argparse.Namespace) -> int:
             data_config["bytes_stored"], data_config["compression_ratio"] or 0.0,
         )
         return 0
+    settings = use_threads(args.settings, getattr(args, "threads", None) or default_threads())
     outcome = run_extract(
-        args.input, args.split, args.start, args.end, args.target, args.store, args.settings,
+        args.input, args.split, args.start, args.end, args.target, args.store, settings,
         args.output, args.gpu_lock_dir,
     )
     return 0

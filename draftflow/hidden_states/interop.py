@@ -159,7 +159,18 @@ def _draftflow_items(range_dirs: list[Path], store_root: Path | None) -> Iterato
         yield Item(i, reader.sample_ids[i], reader.keys[i], reader[i])
 
 
-_RANGE_ONLY_META = ("store_root", "format_version", "start", "end", "split", "counts", "timings")
+_RANGE_ONLY_META = (
+    "store_root",
+    "format_version",
+    "start",
+    "end",
+    "split",
+    "counts",
+    "timings",
+    "records",
+    "target_dir",
+    "extract_settings",
+)
 
 
 def _carry_meta(meta: dict) -> dict:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftflow.config import default_aux_layer_ids
+from draftflow.config import DEFAULT_AUX_RULE, default_aux_layer_ids
 from draftflow.errors import DraftflowError, reject_unknown_keys
 from draftflow.jsonl import read_json, write_json
 
@@ -114,9 +114,10 @@ def resolve_model_dims(target_dir: str | Path, overrides: Mapping[str, Any] | No
 
 
 def resolve_aux_layer_ids(aux: Sequence[int] | None, num_layers: int) -> list[int]:
-    """The aux layer ids to capture (DESIGN.md §3 convention), defaulted and validated."""
+    """The aux layer ids to capture (DESIGN.md §3 convention), defaulted and validated:
+    distinct, ascending (engines return captured layers in layer order) and in range."""
     ids = default_aux_layer_ids(num_layers) if aux is None else list(aux)
-    origin = "the default [1, N//2 - 1, N - 4]" if aux is None else "extract.aux_layer_ids"
+    origin = f"the default ({DEFAULT_AUX_RULE})" if aux is None else "extract.aux_layer_ids"
     if not ids:
         raise DraftflowError("extract.aux_layer_ids is empty; list at least one layer, or null for the default")
     for i in ids:
@@ -127,10 +128,14 @@ def resolve_aux_layer_ids(aux: Sequence[int] | None, num_layers: int) -> list[in
             )
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:
-        hint = "; set extract.aux_layer_ids explicitly" if aux is None else ""
         raise DraftflowError(
             f"{origin} {ids} for a {num_layers}-layer target lists layer(s) {duplicates} more than once; "
-            f"each aux layer must be distinct, or the drafter gets the same state twice{hint}"
+            "each aux layer must be distinct, or the drafter gets the same state twice"
+        )
+    if ids != sorted(ids):
+        raise DraftflowError(
+            f"{origin} {ids}: list the layers in ascending order ({sorted(ids)}); serving engines hand "
+            "the drafter the captured layers in layer order, so fc's input order must be the same"
         )
     return ids
 

@@ -10,9 +10,11 @@ folder may not exist yet) must have `planned × (1 + free_disk_margin)` bytes fr
 `planned` is the storage plan's expected (compressed) total, which depends on
 `extract.storage`. Sample files already in the content-keyed store (`--path/store`, if
 present) are reused rather than rewritten, so their size is subtracted from the plan
-first; only files of the plan's storage mode count (lossless files are never reused by an
-fp8 run, nor the reverse). This is an estimate: store files of the same mode left by an
-older, incompatible run also count, which makes the check optimistic after such a run.
+first. Only complete sample files of the plan's storage mode count: a killed writer's temp
+files (`.<key>.dfhs.tmp-…`, removed by the next extraction) are not samples, and lossless
+files are never reused by an fp8 run, nor the reverse. This is an estimate: store files of
+the same mode left by an older, incompatible run also count, which makes the check
+optimistic after such a run.
 Without a storage plan (`--plan` left out, e.g. a preflight before regeneration) it is skipped.
 
 Server checks (`draftflow.engines.servers.server_checks`), when the settings carry the config's
@@ -27,9 +29,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import shutil
-import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,6 +42,7 @@ from draftflow.hidden_states.plan import format_bytes
 log = logging.getLogger(__name__)
 
 STORE_DIR = "store"  # the content-keyed sample store inside the hidden-states folder
+SAMPLE_SUFFIX = ".dfhs"  # draftflow.hidden_states.storage.SUFFIX (not imported: that module loads torch)
 
 
 @dataclass(frozen=True)
@@ -94,36 +95,21 @@ def nearest_existing(path: Path) -> Path:
     return path
 
 
-def folder_bytes(folder: Path) -> int:
-    """Total size of the regular files under `folder` (0 if it does not exist); symlinks not followed."""
+def stored_sample_bytes(store: Path, storage: str | None = None) -> int:
+    """Bytes of the complete sample files in a store (`ab/cd/<key>.dfhs`; temp files start
+    with '.'), only those stored in `storage` mode when given (None: a plan from before
+    storage modes, every sample file)."""
+    if storage is not None:
+        from draftflow.hidden_states.storage import storage_of_file  # loads torch: only when needed
     total = 0
-    for root, _, files in os.walk(folder):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(root, name))
-            except FileNotFoundError:  # a writer renamed or removed it meanwhile
-                continue
-            if stat.S_ISREG(st.st_mode):
-                total += st.st_size
-    return total
-
-
-def store_bytes(folder: Path, storage: str | None) -> int:
-    """Size of the complete sample files under `folder` stored in `storage` mode (every
-    regular file when None: a plan from before storage modes)."""
-    from draftflow.hidden_states.storage import SUFFIX, storage_of_file  # torch: only when needed
-
-    if storage is None:
-        return folder_bytes(folder)
-    total = 0
-    for path in Path(folder).glob(f"*/*/*{SUFFIX}"):
-        if path.name.startswith("."):  # a writer's temp file
+    for path in Path(store).glob(f"*/*/*{SAMPLE_SUFFIX}"):
+        if path.name.startswith("."):
             continue
         try:
-            size = path.stat().st_size
-        except FileNotFoundError:
+            size = path.lstat().st_size
+        except FileNotFoundError:  # removed meanwhile
             continue
-        if storage_of_file(path) == storage:
+        if storage is None or storage_of_file(path) == storage:
             total += size
     return total
 
@@ -134,7 +120,7 @@ def check_free_disk(ctx: PreflightContext) -> CheckResult:
     planned = int(ctx.plan["total"]["bytes_expected"])
     margin = ctx.settings.free_disk_margin
     storage = ctx.plan.get("storage")
-    in_store = store_bytes(Path(ctx.path) / STORE_DIR, storage)
+    in_store = stored_sample_bytes(Path(ctx.path) / STORE_DIR, storage)
     needed = math.ceil(max(0, planned - in_store) * (1 + margin))
     measured = nearest_existing(ctx.path)
     free = shutil.disk_usage(measured).free

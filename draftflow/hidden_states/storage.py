@@ -42,6 +42,7 @@ import hashlib
 import json
 import math
 import os
+import socket
 import struct
 import sys
 import threading
@@ -153,6 +154,7 @@ class SampleHeader:
     sections: tuple[dict, ...]  # {"name", "codec": "zstd"|"raw", "nbytes", "raw_nbytes"}
     data_offset: int  # where the first section starts
     storage: str = "lossless"  # lossless | fp8
+    payload_checksum: str | None = None  # of the stored section bytes (files written before it: None)
 
     @property
     def raw_nbytes(self) -> int:
@@ -287,6 +289,9 @@ def encode_sample_parts(
         "T": T, "L": L, "H": H, "dtype": dtype, "loss_tokens": int(mask.sum()),
         "codec": "zstd-byteplanes", "level": level, "raw_checksum": raw_sum,
         "sections": [meta for meta, _ in sections],
+        # What the file holds after its header: lets a reader check a file without an index
+        # entry (a reused sample being re-indexed) by hashing, not decoding.
+        "payload_checksum": checksum(*(data for _, data in sections)),
     }  # fmt: skip
     header_bytes = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     parts: list[Buffer] = [_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header_bytes)) + header_bytes]
@@ -335,6 +340,7 @@ def read_header(data: bytes | memoryview, size: int | None = None) -> SampleHead
             length=int(h["T"]), num_layers=int(h["L"]), hidden_size=int(h["H"]), dtype=str(h["dtype"]),
             loss_tokens=int(h["loss_tokens"]), level=int(h["level"]), raw_checksum=str(h["raw_checksum"]),
             sections=tuple(h["sections"]), data_offset=start + header_len, storage=str(h.get("storage", "lossless")),
+            payload_checksum=h.get("payload_checksum"),
         )  # fmt: skip
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"corrupt sample header: {e}") from None
@@ -647,6 +653,7 @@ def encode_fp8_parts(input_ids, loss_mask, hidden: torch.Tensor | Fp8Hidden, lev
         "T": T, "L": L, "H": H, "dtype": dtype, "loss_tokens": int(mask.sum()),
         "codec": "zstd-fp8", "storage": "fp8", "fp8": "float8_e4m3fn, 2^k per row, sign chained over states",
         "level": level, "raw_checksum": raw_sum, "sections": [meta for meta, _ in sections],
+        "payload_checksum": checksum(*(data for _, data in sections)),  # as in lossless files: `self_check`
     }  # fmt: skip
     header_bytes = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     parts: list[Buffer] = [_PREAMBLE.pack(MAGIC, FP8_FORMAT_VERSION, len(header_bytes)) + header_bytes]
@@ -683,6 +690,21 @@ def _decode_fp8(header: SampleHeader, raw: dict[str, memoryview | bytes], check:
     dtype = DTYPES[header.dtype]
     q = Fp8Hidden(torch.from_numpy(codes), torch.from_numpy(exps), dtype) if keep_codes else None
     return Sample(input_ids=ids, loss_mask=mask, hidden=dequantize_fp8(codes, exps, dtype), fp8=q)
+
+
+def self_check(data: bytes | memoryview) -> SampleHeader:
+    """Check a sample file on its own (no index entry): its header and its payload checksum.
+
+    Files written before the header carried `payload_checksum` are decoded and checked against
+    the raw checksum instead (slower). Raises ValueError naming what is wrong.
+    """
+    header = read_header(data)
+    payload = memoryview(data)[header.data_offset :]
+    if header.payload_checksum is None:
+        decode_sample(data, check=True)
+    elif not verify_checksum(header.payload_checksum, payload):
+        raise ValueError("payload checksum mismatch")
+    return header
 
 
 # ---------------------------------------------------------------- keys
@@ -753,8 +775,9 @@ class SampleStore:
         header = _header_of_parts(views)  # refuse to store something that is not a sample file
         final = self.path(key)
         final.parent.mkdir(parents=True, exist_ok=True)
-        # Unique per process and thread, so concurrent writers of one key never share a temp file.
-        tmp = final.with_name(f".{final.name}{TEMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        # Unique per process and thread, so concurrent writers of one key never share a temp file;
+        # the owner part lets `cleanup_temp` tell a dead writer's leftovers from a live one's.
+        tmp = final.with_name(f".{final.name}{TEMP_MARK}{writer_tag()}-{uuid.uuid4().hex[:8]}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
             fd = os.open(tmp, flags, 0o666)
@@ -781,12 +804,16 @@ class SampleStore:
             ) from None
 
     def entry_for(self, key: str, sample_id: str) -> IndexEntry:
-        """Rebuild an index entry from a stored file's header and checksum, without decoding tensors."""
+        """Rebuild an index entry for a stored file after checking it (`self_check`: a hash, no decoding),
+        so a damaged file is never re-indexed with its damage's checksum."""
         data = self.get(key)
         try:
-            header = read_header(data)
+            header = self_check(data)
         except ValueError as e:
-            raise DraftflowError(f"{self.path(key)}: {e}") from None
+            raise DraftflowError(
+                f"{self.path(key)} (sample {sample_id}): {e}; the stored file is damaged: delete it "
+                "(`draftflow verify --repair` does) so that it is extracted again"
+            ) from None
         return IndexEntry(
             sample_id, key, header.length, header.loss_tokens, checksum(data), len(data), header.raw_nbytes
         )
@@ -799,14 +826,25 @@ class SampleStore:
             return False
 
     def cleanup_temp(self, older_than_s: float = 3600.0) -> int:
-        """Remove temp files left by killed writers (older than `older_than_s`); returns the count."""
+        """Remove temp files whose writer is gone; returns the count.
+
+        A temp name carries its writer's host, boot id, pid and process start time
+        (`writer_tag`): on this host, a writer is gone when the machine rebooted since or no
+        process with that pid and start time runs. Temps of other hosts are left alone (their
+        writer cannot be checked from here). Only temps named before writers were tagged fall
+        back to age (`older_than_s`).
+        """
         if not self.root.is_dir():
             return 0
         cutoff = time.time() - older_than_s
         removed = 0
         for tmp in self.root.glob(f"*/*/.*{SUFFIX}{TEMP_MARK}*"):
             try:
-                if tmp.stat().st_mtime <= cutoff:
+                owner = tmp.name.split(TEMP_MARK, 1)[1]
+                gone = writer_gone(owner)
+                if gone is None:  # an untagged (older) temp name: no owner to check
+                    gone = tmp.stat().st_mtime <= cutoff
+                if gone:
                     tmp.unlink()
                     removed += 1
             except FileNotFoundError:  # another cleaner or the writer itself got there first
@@ -822,6 +860,62 @@ class SampleStore:
 
 def cleanup_temp(store_root: Path, older_than_s: float = 3600.0) -> int:
     return SampleStore(store_root).cleanup_temp(older_than_s)
+
+
+# ---------------------------------------------------------------- temp-file owners
+
+_BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
+
+
+def _boot_id() -> str:
+    try:
+        return _BOOT_ID_FILE.read_text().strip().replace("-", "")[:12]
+    except OSError:  # not Linux: no boot id; pid + start time still identify the writer
+        return "noboot"
+
+
+def _process_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux /proc), or None when unknown."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 22; the command name (field 2) may hold spaces, so count from its closing ')'.
+    return stat_line.rsplit(")", 1)[1].split()[19]
+
+
+_HOST = "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"
+
+
+def writer_tag() -> str:
+    """`host~bootid~pid~start`: who writes a temp file (see `SampleStore.cleanup_temp`)."""
+    pid = os.getpid()
+    return f"{_HOST}~{_boot_id()}~{pid}~{_process_start(pid) or 0}"
+
+
+def writer_gone(owner: str) -> bool | None:
+    """Is the writer named in a temp-file suffix `tag-rand` certainly gone?
+
+    True: it ran on this host and the host rebooted since, or its process no longer runs
+    (checked by pid and start time, so a reused pid is not mistaken for it). False: it may
+    still run (alive, or on another host). None: an untagged name, nothing to check.
+    """
+    parts = owner.rsplit("-", 1)[0].split("~")
+    if len(parts) != 4:
+        return None
+    host, boot, pid, start = parts
+    if host != _HOST:
+        return False
+    if boot != _boot_id():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, ValueError):  # another user's live process, or a garbled name
+        return False
+    now = _process_start(int(pid))
+    return now is not None and start != "0" and now != start
 
 
 # ---------------------------------------------------------------- range indexes
@@ -960,51 +1054,162 @@ def summarize(range_dirs: Sequence[Path]) -> dict:
 # ---------------------------------------------------------------- reader
 
 
-class HiddenStateReader:
-    """Random access to the samples of some ranges, for the trainer.
+@dataclass(frozen=True)
+class BadRead:
+    """A sample that could not be read back as indexed: missing, damaged or inconsistent."""
 
-    Holds only paths and small arrays, so it pickles into DataLoader worker
-    processes; each __getitem__ reads and decodes one file.
+    range_dir: str
+    sample_id: str
+    key: str
+    path: str  # the store file
+    reason: str
+
+    @property
+    def repair_command(self) -> str:
+        # A range folder's parent holds the split's ranges: verify finds and repairs them there.
+        return f"draftflow verify --hidden-states {Path(self.range_dir).parent} --repair"
+
+    def message(self) -> str:
+        return (
+            f"range {self.range_dir}, sample {self.sample_id}, key {self.key}: {self.reason} ({self.path}); "
+            f"repair it with `{self.repair_command}`"
+        )
+
+
+ON_BAD_SAMPLE = ("fail", "skip")
+
+
+class HiddenStateReader:
+    """Random access to the samples of some ranges, for training, evaluation and conversion.
+
+    Every read is checked: the file's checksum must equal its index entry's (an xxh3 pass,
+    far faster than decoding), so a flipped byte is never decoded into training data.
+    `read(i)` returns a `BadRead` for a missing or damaged sample (the caller decides: fail or
+    skip and count); `reader[i]` raises it as a DraftflowError.
+
+    Holds only paths and small arrays, so it pickles into DataLoader worker processes; each
+    read loads and decodes one file.
     """
 
     def __init__(
-        self, range_dirs: Sequence[Path], store_root: Path | None = None, check: bool = False, fp8_codes: bool = False
+        self,
+        range_dirs: Sequence[Path],
+        store_root: Path | None = None,
+        check: bool = False,
+        verify: bool = True,
+        fp8_codes: bool = False,
     ):
         self.range_dirs = [Path(d) for d in range_dirs]
-        self.check = check  # verify the raw-payload checksum on every read
+        self.check = check  # also verify the raw-payload checksum after decoding (a second, costlier hash)
+        self.verify = verify  # the file checksum against the index on every read (off: benchmarks only)
         self.fp8_codes = fp8_codes  # fp8 files: also return their codes (Sample.fp8); training needs only values
         self._stores: list[SampleStore] = []
-        store_of: list[int] = []
+        range_of: list[int] = []
         self.keys: list[str] = []
         self.sample_ids: list[str] = []
+        self.checksums: list[str] = []
         lengths: list[int] = []
         loss: list[int] = []
+        first: dict = {}
         for range_dir in self.range_dirs:
             meta, columns = read_index_columns(range_dir)
+            first = first or meta
             self._stores.append(SampleStore(Path(store_root) if store_root else store_root_of(range_dir, meta)))
-            store_of += [len(self._stores) - 1] * len(columns["key"])
+            range_of += [len(self._stores) - 1] * len(columns["key"])
             self.keys += columns["key"]
             self.sample_ids += columns["sample_id"]
+            self.checksums += columns["checksum"]
             lengths += columns["length"]
             loss += columns["loss_tokens"]
-        self._store_of = np.asarray(store_of, dtype=np.int32)  # [N]
+        self._range_of = np.asarray(range_of, dtype=np.int32)  # [N]
         self.lengths = np.asarray(lengths, dtype=np.int64)  # [N]
         self.loss_tokens = np.asarray(loss, dtype=np.int64)  # [N]
+        # (L, H, dtype name) of the samples, for a batch whose every sample was unreadable
+        self.sample_shape = (first.get("num_layers_captured"), first.get("hidden_size"), first.get("dtype", "bfloat16"))
+
+    def subset(self, indices: Sequence[int]) -> "HiddenStateReader":
+        """A reader over samples `indices` of this one (in that order), e.g. without missing ones."""
+        idx = np.asarray(indices, dtype=np.int64)
+        out = object.__new__(HiddenStateReader)
+        out.__dict__.update(self.__dict__)
+        for name in ("keys", "sample_ids", "checksums"):
+            values = getattr(self, name)
+            setattr(out, name, [values[i] for i in idx.tolist()])
+        out._range_of, out.lengths, out.loss_tokens = self._range_of[idx], self.lengths[idx], self.loss_tokens[idx]
+        return out
 
     def __len__(self) -> int:
         return len(self.keys)
 
-    def __getitem__(self, i: int) -> Sample:
+    def _bad(self, i: int, reason: str) -> BadRead:
+        store = self._stores[self._range_of[i]]
+        return BadRead(
+            str(self.range_dirs[self._range_of[i]]), self.sample_ids[i], self.keys[i], str(store.path(self.keys[i])),
+            reason,
+        )  # fmt: skip
+
+    def read(self, i: int) -> Sample | BadRead:
+        """Sample i, or a BadRead saying why it cannot be used."""
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample {i} out of range for {len(self)} samples")
-        store = self._stores[self._store_of[i]]
-        key = self.keys[i]
+        i = i % len(self)
+        path = self._stores[self._range_of[i]].path(self.keys[i])
         try:
-            sample = decode_sample(store.get(key), check=self.check, fp8_codes=self.fp8_codes)
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return self._bad(i, "store file missing")
+        except OSError as e:
+            return self._bad(i, f"unreadable: {e.strerror}")
+        if self.verify and not verify_checksum(self.checksums[i], data):
+            return self._bad(i, "file checksum differs from its index entry (the file is damaged)")
+        try:
+            sample = decode_sample(data, check=self.check, fp8_codes=self.fp8_codes)
         except ValueError as e:
-            raise DraftflowError(
-                f"{store.path(key)} (sample {self.sample_ids[i]}): {e}; run `draftflow verify --repair`"
-            ) from None
+            return self._bad(i, str(e))
         if sample.input_ids.shape[0] != self.lengths[i]:
-            raise DraftflowError(f"{store.path(key)}: {sample.input_ids.shape[0]} tokens, index says {self.lengths[i]}")
+            return self._bad(i, f"{sample.input_ids.shape[0]} tokens, the index says {self.lengths[i]}")
         return sample
+
+    def __getitem__(self, i: int) -> Sample:
+        sample = self.read(i)
+        if isinstance(sample, BadRead):
+            raise DraftflowError(sample.message())
+        return sample
+
+    def without(self, bad: Sequence[BadRead]) -> "HiddenStateReader":
+        """This reader less the samples named in `bad` (by range and sample id)."""
+        gone = {(b.range_dir, b.sample_id) for b in bad}
+        keep = [
+            i for i, sid in enumerate(self.sample_ids) if (str(self.range_dirs[self._range_of[i]]), sid) not in gone
+        ]  # fmt: skip
+        return self.subset(keep)
+
+    def missing(self) -> list[BadRead]:
+        """Samples whose store file does not exist: one stat per distinct file, no reads."""
+        bad, seen = [], {}
+        for i, key in enumerate(self.keys):
+            path = self._stores[self._range_of[i]].path(key)
+            if path not in seen:
+                seen[path] = path.is_file()
+            if not seen[path]:
+                bad.append(self._bad(i, "store file missing"))
+        return bad
+
+
+def check_present(reader: HiddenStateReader, label: str, on_bad_sample: str) -> list[BadRead]:
+    """Before a stage starts: every sample it will read has its store file (stat only).
+
+    on_bad_sample "fail" raises naming the range and sample id of each missing file (first
+    ten) and the repair command; "skip" returns them for the caller to leave out and count.
+    """
+    if on_bad_sample not in ON_BAD_SAMPLE:
+        raise DraftflowError(f"on_bad_sample must be one of {ON_BAD_SAMPLE}, not {on_bad_sample!r}")
+    missing = reader.missing()
+    if missing and on_bad_sample == "fail":
+        lines = "\n".join(f"  {b.range_dir}: sample {b.sample_id} (key {b.key})" for b in missing[:10])
+        more = f"\n  … and {len(missing) - 10} more" if len(missing) > 10 else ""
+        raise DraftflowError(
+            f"{len(missing)} of the {len(reader)} {label} samples have no store file:\n{lines}{more}\n"
+            f"repair them with `{missing[0].repair_command}` (or set on_bad_sample: skip to leave them out)"
+        )
+    return missing

@@ -1,0 +1,340 @@
+#!/usr/bin/env python3
+"""Drafter quality side by side: draftflow's trainer and speculators 0.9's, same data, same evaluation.
+
+From one finished workflow run (`results/`: target, hidden states, draft vocab, eval split):
+
+* **ours**: `draftflow train` with the workflow's `train` settings (config/config.yaml, plus
+  `--set train.KEY=VALUE` overrides), the command the `train` rule runs;
+* **speculators**: the train split converted with `draftflow convert --from draftflow --to
+  speculators --target TARGET` (its last slot is the pre-norm state; its trainer re-applies the
+  target's final norm), our draft vocabulary as its `d2t-N.npy` / `t2d-N.npy`, trained by its own
+  CLI (`python -m speculators.train …`, its EAGLE-3 recipe) with our TTT steps, step-loss decay,
+  epochs, tokens per step, learning rate, warmup and schedule, then brought back with
+  `draftflow import-drafter --from speculators`;
+* both evaluated by the same `draftflow evaluate` (real chain speculative decoding and
+  simulated τ, per K and per position, at every `--temperatures`), on the same prompts.
+
+Differences that remain (speculators' own, kept unless `--spec-recipe ours-arch`):
+  - its EAGLE-3 recipe: norm_before_fc (RMSNorm over cat(aux)), norm_before_residual and
+    norm_output (fed-back states are post-norm); `ours-arch` turns the three off;
+  - its draft LM head is frozen (rows of the target's head); ours trains it;
+  - loss kl_div (same gradient as our soft CE); grad clip 1.0 (ours 0.5); AdamW betas
+    (0.9, 0.999) (ours (0.9, 0.95));
+  - it packs samples into rows of `batch_tokens` (ours pads per micro-batch): the same tokens per
+    epoch in fewer, fuller steps; epochs, LR, warmup share and schedule shape are the same;
+  - its loss mask is the *input* token's (ours: the predicted token's), one position apart;
+  - its validation split cannot be empty: the last training sample is held out from it;
+  - on CPU it runs with `--hidden-states-dtype float32` (bf16 autocast on CPU is its GPU recipe's
+    precision on slow kernels), sdpa attention and its eager loss; on CUDA its defaults (bf16,
+    flex attention, fused Triton loss).
+
+Prints one JSON line: per trainer and seed, τ real (K = each draft_tokens) and simulated at each
+temperature, n-gram baseline, training seconds and tokens; plus mean and spread over seeds.
+
+    # CPU, the embedded default (after `snakemake`), speculators in its own venv:
+    .venv/bin/python bench/quality_compare.py --spec-python .venv-spec/bin/python --seeds 0 1 2
+    # H200 (bench wheels in /tmp/site, see BENCHMARKS.md):
+    PYTHONPATH=/tmp/site:. python3 bench/quality_compare.py --results .qc/results --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+log = logging.getLogger("quality_compare")
+
+
+def run(cmd: list[str], log_path: Path, env: dict | None = None) -> float:
+    """Run a command with its output in log_path; seconds of wall time. Raises with the log's tail."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log_path, "w") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    seconds = time.perf_counter() - t0
+    if rc != 0:
+        tail = log_path.read_text(errors="replace")[-3000:]
+        raise SystemExit(f"command failed ({rc}): {' '.join(cmd)}\n--- {log_path} ---\n{tail}")
+    return seconds
+
+
+def draftflow_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "draftflow.cli", *args]
+
+
+def child_env(threads: int, extra_path: str | None = None) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TQDM_DISABLE="1")
+    paths = [p for p in (extra_path, str(REPO), env.get("PYTHONPATH")) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(":".join(paths).split(os.pathsep)))
+    return env
+
+
+def parse_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+# ---------------------------------------------------------------- inputs
+
+
+class Inputs:
+    def __init__(self, a):
+        from draftflow.config import load_config
+
+        self.results = a.results.resolve()
+        config = load_config(a.config)
+        self.train = dict(config["train"])
+        self.evaluate = {k: v for k, v in config["evaluate"].items() if k not in ("temperatures",)}
+        for item in a.set:
+            key, _, value = item.partition("=")
+            section, _, name = key.partition(".")
+            if section not in ("train", "evaluate") or not name:
+                raise SystemExit(f"--set {item}: expected train.KEY=VALUE or evaluate.KEY=VALUE")
+            (self.train if section == "train" else self.evaluate)[name] = parse_value(value)
+        self.evaluate.update(temperatures=a.temperatures, device=a.device)
+        hs = self.results / "hidden_states"
+        self.train_ranges = sorted((hs / "train").glob("rows_*"), key=lambda p: int(p.name.split("_")[1].split("-")[0]))
+        self.eval_ranges = sorted((hs / "eval").glob("rows_*"), key=lambda p: int(p.name.split("_")[1].split("-")[0]))
+        from draftflow.hidden_states.storage import read_range_index
+
+        self.aux = [int(i) for i in read_range_index(self.train_ranges[0])[0]["aux_layer_ids"]]
+        self.target = self.results / "target"
+        self.vocab = self.results / "vocab" / "draft_vocab.safetensors"
+        self.eval_data = self.results / "merged" / "eval.jsonl"
+        for p in (self.target, self.vocab, self.eval_data, *self.train_ranges[:1], *self.eval_ranges[:1]):
+            if not p.exists():
+                raise SystemExit(f"{p}: missing; run the workflow first (snakemake) or pass --results")
+        self.evaluate["aux_layer_ids"] = self.aux
+        size = int(self.train["draft_vocab_size"])
+        if size != int(config["train"]["draft_vocab_size"]):  # a sweep point: its own draft vocabulary
+            self.vocab = a.work / f"vocab-{size}.safetensors"
+            if not self.vocab.is_file():
+                a.work.mkdir(parents=True, exist_ok=True)
+                run(draftflow_cmd("vocab", "--input", str(self.results / "merged" / "train.jsonl"),
+                                  "--target", str(self.target), "--settings", json.dumps({"draft_vocab_size": size}),
+                                  "--output", str(self.vocab)), a.work / f"vocab-{size}.log", child_env(a.threads))  # fmt: skip
+
+
+# ---------------------------------------------------------------- the two trainers
+
+
+def train_ours(inp: Inputs, work: Path, seed: int, a) -> dict:
+    out = work / "drafter"
+    settings = {**inp.train, "aux_layer_ids": inp.aux, "seed": seed, "gpus": 1 if a.device == "cuda" else 0,
+                "num_workers": 0 if a.device == "cpu" else inp.train.get("num_workers", 2)}  # fmt: skip
+    shutil.rmtree(work / "state", ignore_errors=True)
+    seconds = run(
+        draftflow_cmd(
+            "train", "--train-ranges", *map(str, inp.train_ranges), "--eval-ranges", *map(str, inp.eval_ranges),
+            "--target", str(inp.target), "--vocab", str(inp.vocab), "--settings", json.dumps(settings),
+            "--state-dir", str(work / "state"), "--output", str(out),
+        ),
+        work / "train.log", child_env(a.threads),
+    )  # fmt: skip
+    summary = json.loads((out / "eval.json").read_text())
+    return {"drafter": out, "train_seconds": seconds, "train_tokens": summary["train_tokens"],
+            "optimizer_steps": summary["steps"], "settings": settings}  # fmt: skip
+
+
+def prepare_speculators_data(inp: Inputs, work: Path, a) -> tuple[Path, int]:
+    import numpy as np
+
+    from draftflow.drafters.vocab import load_vocab
+    from draftflow.hidden_states.interop import SIDECAR
+
+    data = work / "speculators_data"
+    if not (data / SIDECAR).is_file():
+        shutil.rmtree(data, ignore_errors=True)
+        staging = work / "train_split"  # convert reads every rows_* under its input: the train split only
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for d in inp.train_ranges:
+            (staging / d.name).symlink_to(d)
+        run(draftflow_cmd("convert", "--from", "draftflow", "--to", "speculators", "--input", str(staging),
+                          "--output", str(data), "--target", str(inp.target)),
+            work / "convert.log", child_env(a.threads))  # fmt: skip
+    vocab = load_vocab(inp.vocab)
+    np.save(data / f"d2t-{vocab.size}.npy", vocab.d2t.astype(np.int64))
+    np.save(data / f"t2d-{vocab.size}.npy", vocab.t2d.astype(bool))
+    samples = len(json.loads((data / SIDECAR).read_text())["samples"])
+    return data, samples
+
+
+SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "none"}
+
+
+def speculators_argv(inp: Inputs, data: Path, samples: int, save: Path, seed: int, a) -> list[str]:
+    from draftflow.drafters.vocab import load_vocab
+
+    t = inp.train
+    if float(t["epochs"]) != int(t["epochs"]):
+        raise SystemExit(f"speculators trains whole epochs; train.epochs is {t['epochs']}")
+    if t["schedule"] == "constant" and t.get("warmup_ratio", 0):
+        log.warning("speculators' 'none' schedule has no warmup; ours warms up %.0f%%", 100 * t["warmup_ratio"])
+    cuda = a.device == "cuda"
+    argv = [
+        "--speculator-type", "eagle3",
+        "--verifier-name-or-path", str(inp.target),
+        "--data-path", str(data),
+        "--save-path", str(save),
+        "--log-dir", str(save / "logs"),
+        "--draft-vocab-size", str(load_vocab(inp.vocab).size),
+        "--num-layers", "1",
+        "--target-layer-ids", *[str(i + 1) for i in inp.aux],  # its (vLLM) numbering: output of layer i-1
+        "--full-attention-indices", "0",  # no 2048 sliding window: full causal attention as ours
+        "--ttt-steps", str(t["ttt_steps"]),
+        "--ttt-step-loss-decay", str(t["step_weight_decay"]),
+        "--total-seq-len", str(t["batch_tokens"]),
+        "--train-data-ratio", str((samples - 0.5) / samples),  # its validation split: the last sample
+        "--num-workers", "0" if not cuda else "4",
+        "--on-missing", "raise",
+        "--mask-token-id", "0",
+        "--optimizer", "adamw",
+        "--lr", str(t["learning_rate"]),
+        "--weight-decay", str(t["weight_decay"]),
+        "--scheduler-type", SCHEDULES[t["schedule"]],
+        "--scheduler-warmup-ratio", str(t["warmup_ratio"]),
+        "--epochs", str(int(t["epochs"])),
+        "--checkpoint-freq", "1",
+        "--log-freq", "10",
+        "--no-resume-from-checkpoint",
+        "--seed", str(seed),
+        "--hidden-states-dtype", "bfloat16" if cuda else "float32",
+    ]  # fmt: skip
+    if not cuda:
+        argv += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
+    if a.spec_recipe == "ours-arch":
+        argv += ["--no-norm-before-fc", "--no-norm-before-residual", "--no-norm-output"]
+    return argv
+
+
+def train_speculators(inp: Inputs, work: Path, seed: int, data: Path, samples: int, a) -> dict:
+    save = work / "run"
+    shutil.rmtree(save, ignore_errors=True)
+    argv = speculators_argv(inp, data, samples, save, seed, a)
+    # its CLI as released needs a GPU; on the CPU a launcher points its three device assumptions there
+    entry = ["-m", "speculators.train"] if a.device == "cuda" else [str(REPO / "bench" / "speculators_cpu_train.py")]
+    seconds = run([a.spec_python, *entry, *argv], work / "train.log", child_env(a.threads, a.spec_pythonpath))
+    out = work / "drafter"
+    shutil.rmtree(out, ignore_errors=True)
+    run(draftflow_cmd("import-drafter", "--from", "speculators", "--input", str(save), "--target", str(inp.target),
+                      "--output", str(out)), work / "import.log", child_env(a.threads))  # fmt: skip
+    return {"drafter": out, "train_seconds": seconds, "speculators_argv": argv,
+            "train_tokens_per_epoch_approx": samples}  # fmt: skip
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def evaluate(inp: Inputs, drafter: Path, out: Path, a) -> dict:
+    run(
+        draftflow_cmd(
+            "evaluate", "--drafter", str(drafter), "--target", str(inp.target),
+            "--eval-ranges", *map(str, inp.eval_ranges), "--eval-data", str(inp.eval_data),
+            "--settings", json.dumps(inp.evaluate), "--output-dir", str(out),
+        ),
+        out / "evaluate.log", child_env(a.threads),
+    )  # fmt: skip
+    report = json.loads((out / "acceptance.json").read_text())
+    figures = {}
+    for temp, part in report["temperatures"].items():
+        figures[temp] = {
+            "real": {k: round(v["acceptance_length"], 4) for k, v in part["eagle3"].items()},
+            "simulated": round(part["acceptance_length_simulated"], 4),
+            "ngram": {k: round(v["acceptance_length"], 4) for k, v in part["ngram"].items()},
+            "alpha_real": {k: [round(x, 3) for x in v["alpha"]] for k, v in part["eagle3"].items()},
+            "alpha_simulated": [round(x, 3) for x in part["simulated"]["alpha"]],
+        }
+        if temp == "0":
+            figures[temp]["matches_greedy"] = {k: v["matches_greedy"] for k, v in part["eagle3"].items()}
+    return figures
+
+
+def spread(runs: list[dict]) -> dict:
+    """Mean, sample standard deviation and range over seeds of every τ figure."""
+    out = {}
+    for temp in runs[0]["tau"]:
+        keys = [("simulated", None)] + [("real", k) for k in runs[0]["tau"][temp]["real"]]
+        for kind, k in keys:
+            vals = [r["tau"][temp][kind] if k is None else r["tau"][temp][kind][k] for r in runs]
+            name = f"T{temp}_{kind}" + (f"_K{k}" if k else "")
+            out[name] = {"mean": round(statistics.fmean(vals), 4),
+                         "sd": round(statistics.stdev(vals), 4) if len(vals) > 1 else None,
+                         "min": min(vals), "max": max(vals)}  # fmt: skip
+    out["train_seconds_mean"] = round(statistics.fmean(r["train_seconds"] for r in runs), 1)
+    return out
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results", type=Path, default=REPO / "results", help="a finished workflow run")
+    p.add_argument("--config", type=Path, default=REPO / "config" / "config.yaml", help="its config (train, evaluate)")
+    p.add_argument("--work", type=Path, default=Path("/tmp/draftflow-quality"), help="scratch folder")
+    p.add_argument("--trainers", nargs="+", default=["ours", "speculators"], choices=["ours", "speculators"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a train or evaluate key (JSON value)")  # fmt: skip
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    p.add_argument("--spec-python", default=sys.executable, help="python with speculators 0.9 installed")
+    p.add_argument("--spec-pythonpath", default=None, help="extra PYTHONPATH for it (e.g. /tmp/site)")
+    p.add_argument("--spec-recipe", choices=["own", "ours-arch"], default="own",
+                   help="own: speculators' EAGLE-3 defaults; ours-arch: without its three extra norms")  # fmt: skip
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads of each child process")
+    p.add_argument("--label", default="", help="a name for this configuration in the output")
+    p.add_argument("--sim-only", action="store_true",
+                   help="ours only: no `draftflow evaluate`; τ = the training's own simulated τ on the eval split "
+                   "(eval.json, K = ttt_steps; what a sweep needs)")  # fmt: skip
+    p.add_argument("--output", type=Path, help="also append the JSON line to this file")
+    a = p.parse_args(argv)
+    inp = Inputs(a)
+    a.work.mkdir(parents=True, exist_ok=True)
+    result = {"label": a.label, "results": str(inp.results), "train": inp.train, "evaluate": inp.evaluate,
+              "spec_recipe": a.spec_recipe, "device": a.device, "trainers": {}}  # fmt: skip
+    for trainer in a.trainers:
+        runs = []
+        if trainer == "speculators":
+            data, samples = prepare_speculators_data(inp, a.work, a)
+        for seed in a.seeds:
+            tag = f"{trainer}{'-' + a.spec_recipe if trainer == 'speculators' else ''}-{a.label or 'default'}-s{seed}"
+            work = a.work / tag
+            log.info("training %s", tag)
+            if trainer == "ours":
+                info = train_ours(inp, work, seed, a)
+            else:
+                info = train_speculators(inp, work, seed, data, samples, a)
+            log.info("evaluating %s (trained in %.0f s)", tag, info["train_seconds"])
+            if a.sim_only:
+                summary = json.loads((info["drafter"] / "eval.json").read_text())
+                tau = {"0": {"simulated": round(summary["tau"], 4), "real": {},
+                             "alpha_simulated": [round(x, 3) for x in summary["step_alpha"]]}}  # fmt: skip
+            else:
+                tau = evaluate(inp, info["drafter"], work / "eval", a)
+            runs.append({"seed": seed, "tau": tau, "train_seconds": round(info["train_seconds"], 1),
+                         **{k: v for k, v in info.items() if k in ("train_tokens", "optimizer_steps")}})  # fmt: skip
+            log.info("%s: %s", tag, json.dumps(tau))
+        result["trainers"][trainer] = {"runs": runs, "summary": spread(runs)}
+    line = json.dumps(result)
+    print(line, flush=True)
+    if a.output:
+        with open(a.output, "a") as f:
+            f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

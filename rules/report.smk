@@ -1,0 +1,25 @@
+# The report's first page: headline figures and tables as text (draftflow/summary.py).
+# The Snakefile makes it the report's description once it exists.
+
+
+rule summary:
+    input:
+        manifest=f"{RESULTS}/merged/manifest.json",
+        stats=f"{RESULTS}/merged/stats.csv",
+        plan=f"{RESULTS}/merged/storage_plan.json",
+        data_config=f"{RESULTS}/hidden_states/data_config.json",
+        drafter=f"{RESULTS}/drafter",
+        acceptance=f"{RESULTS}/eval/acceptance.json",
+        export=f"{RESULTS}/export/export.json",
+    output:
+        SUMMARY_PAGE,
+    log:
+        f"{LOGS}/summary.log",
+    conda:
+        CONDA_ENV
+    params:
+        # the page reads the run's outputs under results/ (the inputs above, and more to come)
+        results=lambda w, input: os.path.dirname(os.path.dirname(input.manifest)),
+    shell:
+        "draftflow --threads {threads} summary --results {params.results} --output {output}"
+        " > {log} 2>&1"

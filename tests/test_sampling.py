@@ -1,0 +1,102 @@
+"""Speculative sampling (evaluate.temperatures > 0): the output is distributed as the target's.
+
+Tolerance: with N draws, the empirical frequency of a token of probability p has standard
+deviation σ = sqrt(p(1-p)/N). Each cell must lie within 4.5σ (+1e-9 for p = 0, where σ = 0 and
+the count must be exactly 0). A correct sampler fails one cell with probability ≈ 6.8e-6, so
+≤ 2.5e-4 over the ≤ 36 cells a test checks (Bonferroni); the seeds are fixed, so each run is
+deterministic anyway. The same bound rejects the wrong rule "accept every draft" (its output is
+distributed as the drafter's q), which shows the test can fail.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftflow.evaluation.speculative import Eagle3Proposer, Target, speculative_sample, target_probs, verify_sampled
+from test_speculative import tiny_drafter, tiny_target
+
+
+def within_bound(counts: torch.Tensor, p: torch.Tensor, n: int) -> bool:
+    freq = counts.double() / n
+    sigma = torch.sqrt(p * (1 - p) / n)
+    return bool(((freq - p).abs() <= 4.5 * sigma + 1e-9).all())
+
+
+def test_one_verify_step_emits_the_targets_distribution_on_a_toy_vocabulary():
+    # p and q differ everywhere: q puts mass where p has none (token 4) and none where p has some (token 0)
+    p = torch.tensor([[0.30, 0.25, 0.25, 0.20, 0.00], [0.10, 0.20, 0.30, 0.40, 0.00]], dtype=torch.float64)
+    q = torch.tensor([[0.00, 0.10, 0.50, 0.10, 0.30]], dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    first = torch.zeros(5, dtype=torch.int64)  # the first emitted token: the draft if accepted, else the resample
+    drafted = torch.zeros(5, dtype=torch.int64)
+    for _ in range(n):
+        d = int(torch.multinomial(q[0], 1, generator=g))
+        a, nxt = verify_sampled(p, [d], q, g)
+        first[d if a == 1 else nxt] += 1
+        drafted[d] += 1
+    assert within_bound(first, p[0], n), first.double() / n
+    assert first[4] == 0  # never emits a token the target cannot
+    assert not within_bound(drafted, p[0], n)  # "accept every draft" would emit q: the check has power
+
+
+def test_deterministic_drafts_are_accepted_with_the_targets_probability():
+    p = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6]], dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    n = 20000
+    first = torch.zeros(3, dtype=torch.int64)
+    for _ in range(n):
+        a, nxt = verify_sampled(p, [1], None, g)  # an n-gram draft: always token 1
+        first[1 if a == 1 else nxt] += 1
+    assert within_bound(first, p[0], n), first.double() / n
+
+
+def exact_marginals(model, prompt: list[int], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """P(x2, x3) of the target's own sampling after `prompt` (x1 summed out) [V, V], by enumeration."""
+    def probs(ids):
+        with torch.no_grad():
+            return target_probs(model(torch.tensor([ids])).logits[0, -1], temperature)
+
+    V = model.config.vocab_size
+    joint = torch.zeros(V, V, dtype=torch.float64)
+    p1 = probs(prompt)
+    for x1 in range(V):
+        p2 = probs(prompt + [x1])
+        for x2 in range(V):
+            joint[x2] += p1[x1] * p2[x2] * probs(prompt + [x1, x2])
+    return joint
+
+
+def test_speculative_sampling_through_the_hf_target_keeps_its_distribution():
+    torch.set_num_threads(1)
+    model = tiny_target(vocab=5, layers=4, seed=3)
+    drafter = tiny_drafter(model, draft_vocab=3, seed=4)  # restricted draft vocab: q = 0 on tokens 3, 4
+    target, proposer = Target(model, drafter.config.aux_layer_ids), Eagle3Proposer(drafter)
+    prompt, n, temperature = [1, 2, 0], 1500, 1.0
+    g = torch.Generator().manual_seed(5)
+    pairs = torch.zeros(5, 5, dtype=torch.int64)
+    accepted = 0
+    for _ in range(n):
+        out = speculative_sample(target, proposer, prompt, 2, 3, set(), temperature, g)
+        pairs[out.tokens[1], out.tokens[2]] += 1
+        accepted += sum(out.accepted)
+    target.close()
+    joint = exact_marginals(model, prompt, temperature)
+    assert within_bound(pairs.flatten(), joint.flatten(), n), (pairs.double() / n - joint).abs().max()
+    assert within_bound(pairs.sum(1), joint.sum(1), n) and within_bound(pairs.sum(0), joint.sum(0), n)
+    assert accepted > 0  # drafts were accepted, so the acceptance path was exercised
+
+
+def test_expected_simulated_acceptance_equals_chain_counts_on_certain_outcomes():
+    from draftflow.evaluation.evaluate import SimulatedAcceptance
+
+    hits = torch.tensor([[1, 1, 0, 1], [1, 0, 1, 1], [0, 1, 1, 1]], dtype=torch.bool)  # [steps, T]
+    counts = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    chain = (hits & counts).int().cumprod(dim=0).sum(dim=0)
+    exact, expected = SimulatedAcceptance(3), SimulatedAcceptance(3)
+    exact.add(chain, counts)
+    expected.add_expected(hits.double(), counts)
+    assert expected.trials == exact.trials and expected.hits == exact.hits
+    half = SimulatedAcceptance(2)
+    half.add_expected(torch.full((2, 1), 0.5, dtype=torch.float64), torch.ones(2, 1, dtype=torch.bool))
+    assert half.alpha == [0.5, 0.5] and half.tau == 1.75
