@@ -661,7 +661,7 @@ def encode_fp8_parts(input_ids, loss_mask, hidden: torch.Tensor | Fp8Hidden, lev
 
 
 def storage_of_file(path: Path) -> str | None:
-    """"lossless" or "fp8" from a sample file's first bytes (its format version), None if it is none."""
+    """`lossless` or `fp8` from a sample file's first bytes (its format version), None if it is none."""
     try:
         with open(path, "rb") as f:
             preamble = f.read(_PREAMBLE.size)
