@@ -236,6 +236,18 @@ def train_speculators(inp: Inputs, work: Path, seed: int, data: Path, samples: i
             "train_tokens_per_epoch_approx": samples}  # fmt: skip
 
 
+def reuse_trained(work: Path, trainer: str) -> dict:
+    """--eval-only: the drafter an earlier run of this script trained in `work`."""
+    drafter = work / "drafter"
+    if not (drafter / "config.json").is_file():
+        raise SystemExit(f"{drafter}: no trained drafter; run without --eval-only first")
+    info = json.loads((work / "train_info.json").read_text()) if (work / "train_info.json").is_file() else {}
+    if trainer == "ours" and "train_tokens" not in info:
+        summary = json.loads((drafter / "eval.json").read_text())
+        info.update(train_tokens=summary["train_tokens"], optimizer_steps=summary["steps"])
+    return {**info, "drafter": drafter, "train_seconds": info.get("train_seconds")}
+
+
 # ---------------------------------------------------------------- evaluation
 
 
@@ -274,7 +286,8 @@ def spread(runs: list[dict]) -> dict:
             out[name] = {"mean": round(statistics.fmean(vals), 4),
                          "sd": round(statistics.stdev(vals), 4) if len(vals) > 1 else None,
                          "min": min(vals), "max": max(vals)}  # fmt: skip
-    out["train_seconds_mean"] = round(statistics.fmean(r["train_seconds"] for r in runs), 1)
+    seconds = [r["train_seconds"] for r in runs if r["train_seconds"] is not None]
+    out["train_seconds_mean"] = round(statistics.fmean(seconds), 1) if seconds else None
     return out
 
 
@@ -299,6 +312,9 @@ def main(argv=None) -> int:
     p.add_argument("--sim-only", action="store_true",
                    help="ours only: no `draftflow evaluate`; τ = the training's own simulated τ on the eval split "
                    "(eval.json, K = ttt_steps; what a sweep needs)")  # fmt: skip
+    p.add_argument("--eval-only", action="store_true",
+                   help="evaluate the drafters an earlier run trained in --work (same trainers, label, seeds) again, "
+                   "e.g. with other --set evaluate.KEY=VALUE")  # fmt: skip
     p.add_argument("--output", type=Path, help="also append the JSON line to this file")
     a = p.parse_args(argv)
     inp = Inputs(a)
@@ -307,24 +323,30 @@ def main(argv=None) -> int:
               "spec_recipe": a.spec_recipe, "device": a.device, "trainers": {}}  # fmt: skip
     for trainer in a.trainers:
         runs = []
-        if trainer == "speculators":
+        if trainer == "speculators" and not a.eval_only:
             data, samples = prepare_speculators_data(inp, a.work, a)
         for seed in a.seeds:
             tag = f"{trainer}{'-' + a.spec_recipe if trainer == 'speculators' else ''}-{a.label or 'default'}-s{seed}"
             work = a.work / tag
             log.info("training %s", tag)
-            if trainer == "ours":
+            if a.eval_only:
+                info = reuse_trained(work, trainer)
+            elif trainer == "ours":
                 info = train_ours(inp, work, seed, a)
             else:
                 info = train_speculators(inp, work, seed, data, samples, a)
-            log.info("evaluating %s (trained in %.0f s)", tag, info["train_seconds"])
+            if not a.eval_only:
+                (work / "train_info.json").write_text(json.dumps({k: v for k, v in info.items() if k != "settings"},
+                                                                 default=str))  # fmt: skip
+            log.info("evaluating %s (trained in %s s)", tag, info["train_seconds"])
             if a.sim_only:
                 summary = json.loads((info["drafter"] / "eval.json").read_text())
                 tau = {"0": {"simulated": round(summary["tau"], 4), "real": {},
                              "alpha_simulated": [round(x, 3) for x in summary["step_alpha"]]}}  # fmt: skip
             else:
-                tau = evaluate(inp, info["drafter"], work / "eval", a)
-            runs.append({"seed": seed, "tau": tau, "train_seconds": round(info["train_seconds"], 1),
+                tau = evaluate(inp, info["drafter"], work / ("eval-again" if a.eval_only else "eval"), a)
+            runs.append({"seed": seed, "tau": tau,
+                         "train_seconds": round(info["train_seconds"], 1) if info["train_seconds"] else None,
                          **{k: v for k, v in info.items() if k in ("train_tokens", "optimizer_steps")}})  # fmt: skip
             log.info("%s: %s", tag, json.dumps(tau))
         result["trainers"][trainer] = {"runs": runs, "summary": spread(runs)}

@@ -141,15 +141,24 @@ def section_headline(run: RunFiles) -> Section | None:
     if acc and _k_max(acc):
         k = _k_max(acc)
         eagle, ngram = acc["eagle3"][k], acc.get("ngram", {}).get(k, {})
+        t0 = ((acc.get("settings") or {}).get("temperatures") or [0.0])[0]
+        at = "" if t0 == 0 else f", temperature {t0:g}"
         rows += [
-            [f"acceptance length τ, real (K = {k})", fixed(acc["acceptance_length"]), "greedy chain speculative decoding"],
-            [f"acceptance length τ, simulated (K = {k})", fixed(acc.get("acceptance_length_simulated")),
+            [f"acceptance length τ, real (K = {k}{at})", fixed(acc["acceptance_length"]),
+             "greedy chain speculative decoding" if t0 == 0 else "chain speculative sampling"],
+            [f"acceptance length τ, simulated (K = {k}{at})", fixed(acc.get("acceptance_length_simulated")),
              "teacher-forced on the eval split's hidden states"],
-            [f"n-gram baseline τ (K = {k})", fixed(ngram.get("acceptance_length")), "prompt lookup, same verify loop"],
-            [f"speedup over greedy decoding (K = {k})", _speedup(eagle.get("speedup")),
+            [f"n-gram baseline τ (K = {k}{at})", fixed(ngram.get("acceptance_length")), "prompt lookup, same verify loop"],
+            [f"speedup over {'greedy decoding' if t0 == 0 else 'plain sampling'} (K = {k})", _speedup(eagle.get("speedup")),
              f"n-gram: {_speedup(ngram.get('speedup'))}; engine {acc.get('engine', 'hf')}, "
              f"{acc.get('device', '?')}, {acc.get('dtype', '?')}"],
         ]  # fmt: skip
+        for name, part in (acc.get("temperatures") or {}).items():  # the other temperatures (hf engine)
+            if part["temperature"] == t0 or k not in part.get("eagle3", {}):
+                continue
+            rows.append([f"τ at temperature {name}, real / simulated (K = {k})",
+                         f"{fixed(part['acceptance_length'])} / {fixed(part.get('acceptance_length_simulated'))}",
+                         f"chain speculative sampling; n-gram {fixed(part['ngram'].get(k, {}).get('acceptance_length'))}"])  # fmt: skip
     if drafter:
         rows.append(["drafter τ at the end of training (simulated)", fixed(drafter.get("simulated_acceptance_length")),
                      f"{fmt(drafter.get('steps'))} steps, {fmt(drafter.get('train_tokens'))} training tokens"])  # fmt: skip
@@ -211,11 +220,15 @@ def section_prompt_sets(run: RunFiles) -> Section | None:
     rows = (run.acceptance or {}).get("per_set") or []
     if not rows:
         return None
-    body = [[r.get("prompt_set"), r.get("method"), r.get("draft_tokens") or "–", r.get("temperature"),
-             fixed(r.get("acceptance_length")), _speedup(r.get("speedup")), r.get("tokens_per_second"),
-             r.get("requests")] for r in rows]  # fmt: skip
-    note = "The baseline row is decoding without a drafter; speedup = its time / the method's time."
-    header = ["prompt set", "method", "K", "temperature", "τ", "speedup", "tokens/s", "requests"]
+    body = [[r.get("prompt_set"), r.get("method"), r.get("measured", "real"), r.get("draft_tokens") or "–",
+             r.get("temperature"), fixed(r.get("acceptance_length")), _speedup(r.get("speedup")),
+             r.get("tokens_per_second"), r.get("requests", r.get("samples"))] for r in rows]  # fmt: skip
+    note = (
+        "The baseline row is decoding without a drafter; speedup = its time / the method's time. "
+        "Simulated rows: teacher forced on the eval split's hidden states (at temperature > 0 the "
+        "expected acceptance of speculative sampling); their last column counts samples."
+    )
+    header = ["prompt set", "method", "measured", "K", "temperature", "τ", "speedup", "tokens/s", "requests"]
     return Section("Acceptance length per prompt set", table(header, body), note)
 
 

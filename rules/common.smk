@@ -403,6 +403,7 @@ def evaluate_settings() -> dict:
     if engine == "hf":
         settings.pop("server")
     else:  # the exported drafter is written for this release (its aux ids depend on it)
+        settings.pop("seed", None)  # the engine samples with its own seeds
         settings["engine_version"] = config["export"][f"{engine}_version"]
     return settings
 

@@ -218,8 +218,11 @@ def test_evaluate_stage_writes_acceptance_json_and_csv(stage_inputs):
             assert r["speedup"] > 0
     assert report["settings"]["draft_tokens"] == [3, 2] and report["aux_layer_ids"] == AUX
     # the per-set table adds up to the pooled figures
-    rows = [r for r in report["per_set"] if r["method"] == "eagle3" and r["draft_tokens"] == 3]
+    rows = [r for r in report["per_set"] if r["method"] == "eagle3" and r["draft_tokens"] == 3 and r["measured"] == "real"]
     assert [r["prompt_set"] for r in rows] == ["file", "eval"]
+    sim = [r for r in report["per_set"] if r["measured"] == "simulated"]
+    assert [(r["prompt_set"], r["draft_tokens"], r["temperature"]) for r in sim] == [("eval", 3, 0.0)]
+    assert sim[0]["acceptance_length"] == report["acceptance_length_simulated"]
     steps = sum(r["verify_steps"] for r in rows)
     assert steps == report["eagle3"]["3"]["verify_steps"]
     assert sum(r["acceptance_length"] * r["verify_steps"] for r in rows) / steps == pytest.approx(
@@ -251,12 +254,14 @@ def recount(outputs: list[dict], prompt_set: str, method: str, k: int) -> tuple[
     return emitted / steps, [a / r if r else 0.0 for a, r in zip(accepted, reached)], steps
 
 
-def check_against_outputs(report: dict, outputs: list[dict]) -> int:
+def check_against_outputs(report: dict, outputs: list[dict], temperature: float = 0.0) -> int:
     """Every eagle3 / n-gram row of the per-set table equals a recount from outputs.jsonl, and
-    every decoded output equals the greedy reference of the same request."""
+    (greedy) every decoded output equals the greedy reference of the same request."""
+    report = {**report, "per_set": [r for r in report["per_set"] if r["temperature"] == temperature]}
+    outputs = [o for o in outputs if o["temperature"] == temperature]
     checked = 0
     for row in report["per_set"]:
-        if row["method"] in ("eagle3", "ngram"):
+        if row["method"] in ("eagle3", "ngram") and row["measured"] == "real":
             tau, alpha, steps = recount(outputs, row["prompt_set"], row["method"], row["draft_tokens"])
             assert row["verify_steps"] == steps
             assert row["acceptance_length"] == pytest.approx(tau, abs=1e-12)
@@ -264,8 +269,9 @@ def check_against_outputs(report: dict, outputs: list[dict]) -> int:
             checked += 1
     greedy = {(o["prompt_set"], o["source"], o["turn"]): o["tokens"] for o in outputs if o["method"] == "greedy"}
     for o in outputs:
-        if o["method"] != "greedy":
-            assert o["tokens"] == greedy[(o["prompt_set"], o["source"], o["turn"])]
+        if o["method"] not in ("greedy", "sampled"):
+            if temperature == 0:
+                assert o["tokens"] == greedy[(o["prompt_set"], o["source"], o["turn"])]
             assert sum(o["accepted"]) + len(o["accepted"]) == len(o["tokens"]) - 1
     return checked
 
@@ -318,10 +324,55 @@ def test_per_set_table_recounts_from_decoded_outputs_and_resumes_per_set(stage_i
     assert gsm_state.is_file()
 
 
-def test_evaluate_refuses_temperatures_the_hf_engine_cannot_decode(stage_inputs, capsys):
-    tmp, range_dir, _ = stage_inputs
-    assert run_stage(tmp, range_dir, temperatures=[0.0, 1.0]) == 1
-    assert "the hf engine decodes greedily" in capsys.readouterr().err
+def test_evaluate_measures_speculative_sampling_at_each_temperature(stage_inputs, tmp_path, capsys):
+    """evaluate.temperatures [0, 1] on the hf engine: per temperature, real τ by speculative
+    sampling (recounted from outputs.jsonl) and the expected simulated τ, in the per-set table;
+    the same seed draws the same outputs, another seed others; greedy rows do not depend on it."""
+    tmp, range_dir, records = stage_inputs
+    sets = {"eval": {"kind": "eval", "max_prompts": 2}}
+    common = dict(prompts_file=None, prompt_sets=sets, draft_tokens=[2], temperatures=[0.0, 1.0])
+
+    def measure(seed: int) -> tuple[dict, list[dict]]:
+        assert run_stage(tmp, range_dir, tmp_path / f"state{seed}", seed=seed, **common) == 0
+        report = json.loads((tmp / "eval" / "acceptance.json").read_text())
+        outputs = [json.loads(line) for line in (tmp / "eval" / "outputs.jsonl").read_text().splitlines()]
+        return report, outputs
+
+    report, outputs = measure(3)
+    assert set(report["temperatures"]) == {"0", "1"}
+    assert report["acceptance_length"] == report["temperatures"]["0"]["acceptance_length"]  # headline: the first
+    hot = report["temperatures"]["1"]
+    assert 1.0 <= hot["acceptance_length"] <= 3.0 and 1.0 <= hot["acceptance_length_simulated"] <= 3.0
+    assert hot["simulated"]["samples"] == len(records) and hot["reference"]["generated_tokens"] > 0
+    assert hot["eagle3"]["2"]["matches_greedy"] is None
+    # the simulated τ at T = 1 is an expectation (fractional counts), not the greedy chain count
+    assert hot["acceptance_length_simulated"] != report["acceptance_length_simulated"]
+    rows = {(r["measured"], r["method"], r["temperature"]) for r in report["per_set"]}
+    assert rows == {(m, meth, t) for t in (0.0, 1.0) for m, meth in
+                    [("real", "baseline"), ("real", "eagle3"), ("real", "ngram"), ("simulated", "eagle3")]}  # fmt: skip
+    sim1 = next(r for r in report["per_set"] if r["measured"] == "simulated" and r["temperature"] == 1.0)
+    assert sim1["acceptance_length"] == hot["acceptance_length_simulated"]
+    assert check_against_outputs(report, outputs, 1.0) == 2 and check_against_outputs(report, outputs, 0.0) == 2
+    assert {o["method"] for o in outputs if o["temperature"] == 1.0} == {"sampled", "eagle3", "ngram"}
+    with open(tmp / "eval" / "acceptance.csv") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert [(r["measured"], r["temperature"]) for r in csv_rows if r["prompt_set"] == "eval" and r["method"] == "eagle3"
+            and r["measured"] == "simulated"] == [("simulated", "0.0000"), ("simulated", "1.0000")]  # fmt: skip
+
+    def sampled(outs):
+        return [o["tokens"] for o in outs if o["temperature"] == 1.0]
+
+    def greedy_rows(rep):
+        return [{k: v for k, v in r.items() if k not in ("seconds", "speedup", "tokens_per_second")}
+                for r in rep["per_set"] if r["temperature"] == 0.0]  # fmt: skip
+
+    again, again_out = measure(3)  # a fresh state folder: measured again, same draws
+    assert sampled(again_out) == sampled(outputs)
+    other, other_out = measure(4)
+    assert sampled(other_out) != sampled(outputs)
+    assert greedy_rows(other) == greedy_rows(report)
+    assert run_stage(tmp, range_dir, temperatures=[1.0, 1.0]) == 1
+    assert "must be distinct" in capsys.readouterr().err
 
 
 def test_evaluate_refuses_a_drafter_trained_on_other_layers(stage_inputs, capsys):

@@ -60,3 +60,23 @@ def test_every_section_is_one_function_in_page_order():
     assert names[0] == "section_headline" and all(n.startswith("section_") for n in names)
     assert len(set(names)) == len(names)
     assert render_page(RunFiles(Path("/nonexistent"))).count("\n-") == 0
+
+
+def test_acceptance_at_temperature_one_is_on_the_page(tmp_path: Path):
+    """An hf evaluation at temperatures [0, 1]: the headline has T = 1's real and simulated τ, the
+    per-set table its rows (real and simulated)."""
+    def part(t: float, real: float, sim: float) -> dict:
+        return {"temperature": t, "acceptance_length": real, "acceptance_length_simulated": sim,
+                "eagle3": {"7": {"acceptance_length": real}}, "ngram": {"7": {"acceptance_length": 1.25}}}  # fmt: skip
+
+    rows = [{"prompt_set": "eval", "method": m, "measured": meas, "draft_tokens": 7, "temperature": t,
+             "acceptance_length": v} for t, v in ((0.0, 4.5), (1.0, 2.75))
+            for m, meas in (("eagle3", "real"), ("eagle3", "simulated"))]  # fmt: skip
+    acc = {**part(0.0, 4.5, 4.625), "temperatures": {"0": part(0.0, 4.5, 4.625), "1": part(1.0, 2.75, 2.875)},
+           "settings": {"temperatures": [0.0, 1.0]}, "per_set": rows}  # fmt: skip
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "acceptance.json").write_text(json.dumps(acc))
+    page = render_page(RunFiles(tmp_path))
+    assert "| τ at temperature 1, real / simulated (K = 7) | 2.750 / 2.875" in page
+    assert "| eval       | eagle3 | simulated | 7 | 1           | 2.750 |" in page
+    assert "<td>2.750 / 2.875</td>" in rst_to_html(page)

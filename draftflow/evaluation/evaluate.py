@@ -12,11 +12,16 @@
   (`draftflow.evaluation.prompt_sets`: the eval split's prompts, HumanEval, MT-bench, GSM8K, any
   JSONL). The same prompts through the same verify loop with a prompt-lookup (n-gram) drafter
   give the model-free baseline, and plain greedy decoding the reference output and the speed.
+* **Temperatures > 0** (`evaluate.temperatures`, hf engine): chain speculative sampling (drafts
+  sampled from the drafter, accepted with min(1, p/q), a rejection resampled from max(0, p - q):
+  the output keeps the target's distribution) for real τ, plain sampling as the speed reference,
+  and the expected acceptance Σ min(p, q) per teacher-forced step for simulated τ.
 * **Served** (`engine: sglang | vllm`, `draftflow.evaluation.served`): the engine serves the
   exported drafter; τ and per-position acceptance come from its own counters.
 
-Writes acceptance.json (`acceptance_length` = real τ at the largest K over all prompts; `per_set`
-= one row per prompt set, method, K and temperature), acceptance.csv, and outputs.jsonl (every
+Writes acceptance.json (`acceptance_length` = real τ at the largest K over all prompts at the first
+temperature; `temperatures` = the same figures per temperature; `per_set` = one row per prompt set,
+method, K and temperature, real and simulated), acceptance.csv, and outputs.jsonl (every
 decoded output with its per-step counts). Finished prompt sets are kept in the state folder, so
 a rerun resumes per set; nothing is written to the output folder before every set is measured.
 """
@@ -47,7 +52,9 @@ from draftflow.evaluation.speculative import (
     Proposer,
     Target,
     greedy_decode,
+    sample_decode,
     speculative_decode,
+    speculative_sample,
 )
 from draftflow.drafters.ttt import TargetHead, acceptance_length, unroll
 
@@ -70,7 +77,8 @@ class EvaluateSettings:
     ngram_max: int = 3
     device: str = "auto"
     engine: str = "hf"
-    temperatures: tuple[float, ...] = (0.0,)
+    temperatures: tuple[float, ...] = (0.0,)  # 0: greedy; > 0: speculative sampling at that temperature
+    seed: int = 0  # hf engine, temperatures > 0: base of the per-request sampling generators
     prompt_sets: dict = field(default_factory=lambda: {"eval": {"kind": "eval"}})
     server: dict = field(default_factory=dict)
     on_bad_sample: str = "fail"  # a missing or damaged stored eval sample: stop, or leave it out and count
@@ -95,12 +103,9 @@ class EvaluateSettings:
             raise DraftflowError(f"evaluate.draft_tokens must be positive integers, got {list(s.draft_tokens)}")
         if s.engine not in ENGINES:
             raise DraftflowError(f"evaluate.engine: {s.engine!r} is not one of {', '.join(ENGINES)}")
-        if not s.temperatures or min(s.temperatures) < 0:
-            raise DraftflowError(f"evaluate.temperatures must be >= 0, got {list(s.temperatures)}")
-        if s.engine == "hf" and any(t != 0 for t in s.temperatures):
+        if not s.temperatures or min(s.temperatures) < 0 or len(set(s.temperatures)) != len(s.temperatures):
             raise DraftflowError(
-                f"evaluate.temperatures {list(s.temperatures)}: the hf engine decodes greedily (temperature 0); "
-                "use engine sglang or vllm to measure sampled decoding"
+                f"evaluate.temperatures must be distinct numbers >= 0 (0 = greedy), got {list(s.temperatures)}"
             )
         if s.engine != "hf":
             check_version(s.engine, s.engine_version, f"export.{s.engine}_version")
@@ -273,7 +278,7 @@ def eos_token_ids(model, tokenizer) -> set[int]:
 @dataclass
 class MethodResult:
     stats: AcceptanceStats
-    matches_greedy: int = 0
+    matches_greedy: int | None = 0  # None when sampling (temperature > 0): no single reference output
     prompts: int = 0  # requests (an MT-bench question with two turns counts twice)
 
     def as_json(self, greedy_seconds: float) -> dict:
@@ -296,7 +301,17 @@ class MethodResult:
             a.k, a.steps + b.steps, a.emitted + b.emitted, a.generated + b.generated, a.seconds + b.seconds,
             [x + y for x, y in zip(a.reached, b.reached)], [x + y for x, y in zip(a.accepted, b.accepted)],
         )  # fmt: skip
-        return MethodResult(stats, self.matches_greedy + other.matches_greedy, self.prompts + other.prompts)
+        matches = None if None in (self.matches_greedy, other.matches_greedy) else self.matches_greedy + other.matches_greedy
+        return MethodResult(stats, matches, self.prompts + other.prompts)
+
+
+def request_generator(seed: int, *key: int) -> torch.Generator:
+    """The sampling generator of one request (prompt, turn, method, K): reruns and resumed sets
+    draw the same numbers, whatever else was measured before."""
+    mixed = seed & 0xFFFF_FFFF
+    for part in key:  # FNV-style mixing of small ints (Python's hash of ints is not a mixer)
+        mixed = ((mixed ^ (part & 0xFFFF_FFFF)) * 0x0100_0193 + 0x9E37_79B9) & 0xFFFF_FFFF_FFFF
+    return torch.Generator().manual_seed(mixed)
 
 
 def run_real(
@@ -308,12 +323,21 @@ def run_real(
     eos_ids: set[int],
     tokenizer=None,
     outputs: list[dict] | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> tuple[dict[str, dict[int, MethodResult]], AcceptanceStats]:
-    """Every proposer at every K on every turn of every prompt; plain greedy once per turn as the
-    reference (later turns of a multi-turn prompt follow the greedy answer). Decoded tokens and
-    per-step proposed/accepted counts go to `outputs` when given."""
+    """Every proposer at every K on every turn of every prompt; plain decoding once per turn as the
+    reference (later turns of a multi-turn prompt follow the reference answer). Decoded tokens and
+    per-step proposed/accepted counts go to `outputs` when given.
+
+    temperature 0: greedy chain speculative decoding, which must reproduce greedy decoding.
+    temperature > 0: chain speculative sampling (`speculative_sample`): its output is distributed as
+    the target's own sampling, so there is no single output to match (`matches_greedy` None); the
+    reference is plain sampling (the speed baseline). Every request draws from its own generator
+    (`request_generator(seed, prompt, turn, method, K)`)."""
     results = {p.name: {k: MethodResult(AcceptanceStats(k)) for k in draft_tokens} for p in proposers}
     greedy = AcceptanceStats(1)
+    sampling = temperature > 0
     # warm-up (kernels, allocator) so that the first timed method is not penalized
     greedy_decode(target, prompts[0].ids, 4, eos_ids)
     for proposer in proposers:
@@ -323,20 +347,29 @@ def run_real(
     for n, prompt in enumerate(prompts, start=1):
         ids, answers = prompt.ids, []
         for turn in range(1, prompt.turns + 1):
-            reference: DecodeResult = greedy_decode(target, ids, max_new_tokens, eos_ids)
+            if sampling:
+                g = request_generator(seed, n, turn, 0, 0)
+                reference: DecodeResult = sample_decode(target, ids, max_new_tokens, eos_ids, temperature, g)
+            else:
+                reference = greedy_decode(target, ids, max_new_tokens, eos_ids)
             greedy.add(reference)
-            record({"source": prompt.source, "turn": turn, "method": "greedy", "prompt_tokens": len(ids),
-                    "tokens": reference.tokens})  # fmt: skip
-            for proposer in proposers:
+            record({"source": prompt.source, "turn": turn, "method": "sampled" if sampling else "greedy",
+                    "prompt_tokens": len(ids), "tokens": reference.tokens})  # fmt: skip
+            for m, proposer in enumerate(proposers, start=1):
                 for k in draft_tokens:
-                    out = speculative_decode(target, proposer, ids, k, max_new_tokens, eos_ids)
                     r = results[proposer.name][k]
-                    r.stats.add(out)
                     r.prompts += 1
-                    if out.tokens == reference.tokens:
-                        r.matches_greedy += 1
-                    else:  # a floating-point tie flipped between a (k+1)-token and a 1-token forward
-                        log.warning("%s K=%d: output differs from greedy on %s", proposer.name, k, prompt.source)
+                    if sampling:
+                        g = request_generator(seed, n, turn, m, k)
+                        out = speculative_sample(target, proposer, ids, k, max_new_tokens, eos_ids, temperature, g)
+                        r.matches_greedy = None
+                    else:
+                        out = speculative_decode(target, proposer, ids, k, max_new_tokens, eos_ids)
+                        if out.tokens == reference.tokens:
+                            r.matches_greedy += 1
+                        else:  # a floating-point tie flipped between a (k+1)-token and a 1-token forward
+                            log.warning("%s K=%d: output differs from greedy on %s", proposer.name, k, prompt.source)
+                    r.stats.add(out)
                     record({"source": prompt.source, "turn": turn, "method": proposer.name, "draft_tokens": k,
                             "tokens": out.tokens, "proposed": out.proposed, "accepted": out.accepted})  # fmt: skip
             if turn < prompt.turns:
@@ -362,21 +395,31 @@ def table_row(prompt_set: str, engine: str, method: str, k: int, temperature: fl
     return row
 
 
-def hf_rows(name: str, real: dict[str, dict[int, MethodResult]], greedy: AcceptanceStats) -> list[dict]:
+def hf_rows(
+    name: str, real: dict[str, dict[int, MethodResult]], greedy: AcceptanceStats, temperature: float = 0.0
+) -> list[dict]:
     requests = next(iter(next(iter(real.values())).values())).prompts
-    rows = [table_row(name, "hf", "baseline", 0, 0.0, requests=requests, generated_tokens=greedy.generated,
-                      seconds=greedy.seconds)]  # fmt: skip
+    rows = [table_row(name, "hf", "baseline", 0, temperature, measured="real", requests=requests,
+                      generated_tokens=greedy.generated, seconds=greedy.seconds)]  # fmt: skip
     for method, per_k in real.items():
         for k, r in sorted(per_k.items()):
             s = r.stats
             rows.append(table_row(
-                name, "hf", method, k, 0.0, acceptance_length=s.tau, alpha=s.alpha,
+                name, "hf", method, k, temperature, measured="real", acceptance_length=s.tau, alpha=s.alpha,
                 acceptance_rate_per_position=[a / s.steps if s.steps else 0.0 for a in s.accepted],
                 accepted=s.accepted, reached=s.reached, verify_steps=s.steps, generated_tokens=s.generated,
                 seconds=s.seconds, speedup=greedy.seconds / s.seconds if s.seconds else None,
                 matches_greedy=r.matches_greedy, requests=r.prompts,
             ))  # fmt: skip
     return rows
+
+
+def simulated_row(simulated: "SimulatedAcceptance", temperature: float) -> dict:
+    """The simulated τ as a row of the per-set table: teacher forced on the eval split's stored
+    hidden states (prompt set `eval`), K = the largest draft_tokens; at temperature > 0 the
+    expected acceptance of speculative sampling (Σ min(p, q) per step)."""
+    return table_row("eval", "hf", "eagle3", simulated.steps, temperature, measured="simulated",
+                     acceptance_length=simulated.tau, alpha=simulated.alpha, samples=simulated.samples)  # fmt: skip
 
 
 # ---------------------------------------------------------------- outputs
@@ -386,26 +429,30 @@ CSV_FIELDS = ["prompt_set", "engine", "method", "measured", "draft_tokens", "tem
 
 
 def csv_rows(report: dict) -> list[dict]:
-    """The simulated τ, one row per (method, K) over all prompts (prompt_set `all`), then the
-    per-set table; α_i in columns alpha_1..alpha_K."""
+    """Per temperature: the simulated τ (prompt_set `eval`), then one row per (method, K) over all
+    prompts (prompt_set `all`); then the per-set table's real rows; α_i in columns alpha_1..alpha_K."""
     engine = report.get("engine", "hf")
-    t0 = report["settings"]["temperatures"][0]
+    parts = report.get("temperatures") or {"first": {**report, "temperature": report["settings"]["temperatures"][0]}}
     rows = []
-    sim = report.get("simulated")
-    if sim:
-        rows.append({"prompt_set": "eval", "engine": engine, "method": "eagle3", "measured": "simulated",
-                     "draft_tokens": sim["draft_tokens"], "acceptance_length": sim["acceptance_length"],
-                     "alpha": sim["alpha"]})  # fmt: skip
-    for method in ("eagle3", "ngram"):
-        for k, r in (report.get(method) or {}).items():
-            rows.append({
-                "prompt_set": "all", "engine": engine, "method": method, "measured": "real", "draft_tokens": int(k),
-                "temperature": t0, "acceptance_length": r["acceptance_length"], "speedup": r["speedup"],
-                "tokens_per_second": r.get("tokens_per_second"), "generated_tokens": r["generated_tokens"],
-                "verify_steps": r["verify_steps"], "alpha": r["alpha"],
-            })  # fmt: skip
+    for part in parts.values():
+        t = part["temperature"]
+        sim = part.get("simulated")
+        if sim:
+            rows.append({"prompt_set": "eval", "engine": engine, "method": "eagle3", "measured": "simulated",
+                         "draft_tokens": sim["draft_tokens"], "temperature": t, "acceptance_length": sim["acceptance_length"],
+                         "alpha": sim["alpha"]})  # fmt: skip
+        for method in ("eagle3", "ngram"):
+            for k, r in (part.get(method) or {}).items():
+                rows.append({
+                    "prompt_set": "all", "engine": engine, "method": method, "measured": "real", "draft_tokens": int(k),
+                    "temperature": t, "acceptance_length": r["acceptance_length"], "speedup": r["speedup"],
+                    "tokens_per_second": r.get("tokens_per_second"), "generated_tokens": r["generated_tokens"],
+                    "verify_steps": r["verify_steps"], "alpha": r["alpha"],
+                })  # fmt: skip
     for row in report["per_set"]:
-        rows.append({**{k: row.get(k) for k in CSV_FIELDS if k in row}, "measured": "real", "alpha": row.get("alpha", [])})
+        if row.get("measured", "real") == "real":
+            rows.append({**{k: row.get(k) for k in CSV_FIELDS if k in row}, "measured": "real",
+                         "alpha": row.get("alpha", [])})  # fmt: skip
     return rows
 
 
@@ -484,11 +531,6 @@ def run_hf(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, li
     _check_layers(cfg, settings, inputs.drafter)
     head = TargetHead(model.get_output_embeddings().weight, drafter.t2d).to(device)
 
-    simulated = SimulatedAcceptance(settings.k_max)
-    if reader is not None:
-        simulated = simulate(drafter, head, reader, settings.k_max, on_bad_sample=settings.on_bad_sample)
-    log.info("simulated τ (K=%d) %.3f over %d samples", settings.k_max, simulated.tau, simulated.samples)
-
     limit = getattr(model.config, "max_position_embeddings", None)
     sets = load_sets(settings, tokenizer, inputs.eval_data, limit - settings.max_new_tokens if limit else None)
     state = UnitState(inputs.state_dir, settings_key({
@@ -498,48 +540,52 @@ def run_hf(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, li
     }))  # fmt: skip
 
     ks = sorted(settings.draft_tokens)
-    per_set: dict[str, tuple[dict[str, dict[int, MethodResult]], AcceptanceStats, list[dict]]] = {}
-    target = Target(model, cfg.aux_layer_ids)
-    try:
-        proposers = [Eagle3Proposer(drafter), NgramProposer(settings.ngram_max)]
+    names = ["eagle3", "ngram"]
+    by_temperature: dict[str, dict] = {}
+    rows: list[dict] = []
+    outputs: list[dict] = []
+    for temperature in settings.temperatures:
+        simulated = SimulatedAcceptance(settings.k_max)
+        if reader is not None:
+            simulated = simulate(drafter, head, reader, settings.k_max, temperature=temperature,
+                                 on_bad_sample=settings.on_bad_sample)  # fmt: skip
+        log.info("T=%g: simulated τ (K=%d) %.3f over %d samples", temperature, settings.k_max, simulated.tau,
+                 simulated.samples)  # fmt: skip
+        per_set = _measure_sets(model, tokenizer, drafter, cfg, sets, settings, state, temperature)
+        # all prompts together: the figures of this temperature (as before prompt sets existed)
+        pooled = {m: {k: sum((per_set[s][0][m][k] for s in per_set), MethodResult(AcceptanceStats(k))) for k in ks}
+                  for m in names}  # fmt: skip
+        reference = AcceptanceStats(1)
+        for _, g, _ in per_set.values():
+            reference = AcceptanceStats(1, reference.steps + g.steps, reference.emitted + g.emitted,
+                                        reference.generated + g.generated, reference.seconds + g.seconds)  # fmt: skip
+        how = "greedy chain speculative decoding" if temperature == 0 else \
+            f"chain speculative sampling at temperature {temperature:g}"  # fmt: skip
+        by_temperature[f"{temperature:g}"] = {
+            "temperature": temperature,
+            "acceptance_length": pooled["eagle3"][settings.k_max].stats.tau,
+            "acceptance_length_measured": f"real: {how} against the target, K={settings.k_max}, tokens per verify "
+            "step, all prompt sets",
+            "acceptance_length_simulated": simulated.tau,
+            "simulated": simulated.as_json(),
+            "eagle3": {str(k): r.as_json(reference.seconds) for k, r in pooled["eagle3"].items()},
+            "ngram": {str(k): r.as_json(reference.seconds) for k, r in pooled["ngram"].items()},
+            "greedy" if temperature == 0 else "reference": {
+                "generated_tokens": reference.generated, "seconds": reference.seconds,
+                "tokens_per_second": reference.generated / reference.seconds if reference.seconds else None},
+        }  # fmt: skip
         for ps in sets:
-            saved = state.load(ps, "hf", 0.0)
-            if saved is not None:
-                log.info("prompt set %s: already measured (state %s)", ps.name, state.folder)
-                real = {m: {int(k): MethodResult.from_state(r) for k, r in per_k.items()} for m, per_k in saved["real"].items()}
-                per_set[ps.name] = (real, AcceptanceStats(**saved["greedy"]), saved["outputs"])
-                continue
-            log.info("prompt set %s: %d prompts, %d requests", ps.name, len(ps.prompts), ps.requests)
-            outputs: list[dict] = []
-            real, greedy = run_real(target, proposers, ps.prompts, ks, settings.max_new_tokens,
-                                    eos_token_ids(model, tokenizer), tokenizer, outputs)  # fmt: skip
-            state.save(ps, "hf", 0.0, {
-                "real": {m: {str(k): r.state() for k, r in per_k.items()} for m, per_k in real.items()},
-                "greedy": asdict(greedy), "outputs": outputs})  # fmt: skip
-            per_set[ps.name] = (real, greedy, outputs)
-    finally:
-        target.close()
+            rows += hf_rows(ps.name, per_set[ps.name][0], per_set[ps.name][1], temperature)
+        if inputs.eval_ranges:
+            rows.append(simulated_row(simulated, temperature))
+        outputs += [{"prompt_set": ps.name, "temperature": temperature, **o} for ps in sets for o in per_set[ps.name][2]]
 
-    # all prompts together: the top-level figures (as before prompt sets existed)
-    names = [p.name for p in proposers]
-    pooled = {m: {k: sum((per_set[s][0][m][k] for s in per_set), MethodResult(AcceptanceStats(k))) for k in ks}
-              for m in names}  # fmt: skip
-    greedy = AcceptanceStats(1)
-    for _, g, _ in per_set.values():
-        greedy = AcceptanceStats(1, greedy.steps + g.steps, greedy.emitted + g.emitted, greedy.generated + g.generated,
-                                 greedy.seconds + g.seconds)  # fmt: skip
+    first = by_temperature[f"{settings.temperatures[0]:g}"]  # the headline: the first temperature (default 0)
     report = {
         "engine": "hf",
-        "acceptance_length": pooled["eagle3"][settings.k_max].stats.tau,
-        "acceptance_length_measured": "real: greedy chain speculative decoding against the target, "
-        f"K={settings.k_max}, tokens per verify step, all prompt sets",
-        "acceptance_length_simulated": simulated.tau,
-        "simulated": simulated.as_json(),
-        "eagle3": {str(k): r.as_json(greedy.seconds) for k, r in pooled["eagle3"].items()},
-        "ngram": {str(k): r.as_json(greedy.seconds) for k, r in pooled["ngram"].items()},
-        "greedy": {"generated_tokens": greedy.generated, "seconds": greedy.seconds,
-                   "tokens_per_second": greedy.generated / greedy.seconds if greedy.seconds else None},  # fmt: skip
-        "per_set": [row for ps in sets for row in hf_rows(ps.name, per_set[ps.name][0], per_set[ps.name][1])],
+        **{k: v for k, v in first.items() if k != "temperature"},
+        "temperatures": by_temperature,
+        "per_set": rows,
         "prompt_sets": {ps.name: {"kind": ps.kind, "prompts": len(ps.prompts), "requests": ps.requests,
                                   "skipped_too_long": ps.skipped} for ps in sets},  # fmt: skip
         "prompts": {"count": sum(len(ps.prompts) for ps in sets),
@@ -550,8 +596,38 @@ def run_hf(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, li
         "device": str(device),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
     }
-    outputs = [{"prompt_set": ps.name, "temperature": 0.0, **o} for ps in sets for o in per_set[ps.name][2]]
     return report, outputs
+
+
+def _measure_sets(model, tokenizer, drafter, cfg, sets: list[PromptSet], settings: EvaluateSettings,
+                  state: UnitState, temperature: float) -> dict[str, tuple[dict, AcceptanceStats, list[dict]]]:  # fmt: skip
+    """Real decoding of every prompt set at one temperature; finished sets come from the state
+    folder. Sampled units are keyed by evaluate.seed too (greedy ones do not depend on it)."""
+    unit = "hf" if temperature == 0 else f"hf-seed{settings.seed}"
+    ks = sorted(settings.draft_tokens)
+    per_set: dict[str, tuple[dict[str, dict[int, MethodResult]], AcceptanceStats, list[dict]]] = {}
+    target = Target(model, cfg.aux_layer_ids)
+    try:
+        proposers = [Eagle3Proposer(drafter), NgramProposer(settings.ngram_max)]
+        for ps in sets:
+            saved = state.load(ps, unit, temperature)
+            if saved is not None:
+                log.info("prompt set %s, T=%g: already measured (state %s)", ps.name, temperature, state.folder)
+                real = {m: {int(k): MethodResult.from_state(r) for k, r in per_k.items()} for m, per_k in saved["real"].items()}
+                per_set[ps.name] = (real, AcceptanceStats(**saved["greedy"]), saved["outputs"])
+                continue
+            log.info("prompt set %s, T=%g: %d prompts, %d requests", ps.name, temperature, len(ps.prompts), ps.requests)
+            outputs: list[dict] = []
+            real, reference = run_real(target, proposers, ps.prompts, ks, settings.max_new_tokens,
+                                       eos_token_ids(model, tokenizer), tokenizer, outputs, temperature,
+                                       settings.seed)  # fmt: skip
+            state.save(ps, unit, temperature, {
+                "real": {m: {str(k): r.state() for k, r in per_k.items()} for m, per_k in real.items()},
+                "greedy": asdict(reference), "outputs": outputs})  # fmt: skip
+            per_set[ps.name] = (real, reference, outputs)
+    finally:
+        target.close()
+    return per_set
 
 
 def run_served_engine(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, list[dict]]:

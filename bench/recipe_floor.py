@@ -1,0 +1,104 @@
+"""The recipe floor's measurements: simulated τ of the default `train` recipe over seeds, and of variants.
+
+Uses the fixed tiny data of `tests/test_recipe_floor.py` (the same target, samples, draft vocabulary
+and default train settings; made once per run) and trains one drafter per (variant, seed) in this
+process. For each it reports the training's own simulated τ (K = ttt_steps, teacher forced on the
+held-out split, greedy) and the simulated τ of `draftflow evaluate` (`evaluation.evaluate.simulate`)
+at temperature 0 and at temperature 1 (expected acceptance of speculative sampling, Σ min(p, q)).
+The default's spread over seeds sets `TAU_FLOOR` in the test; the variants show what a recipe
+change scores on the same data (BENCHMARKS.md "The recipe floor").
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/recipe_floor.py --seeds 0 1 2 3 4 5 6 7 8 9 --variants default
+    OMP_NUM_THREADS=1 .venv/bin/python bench/recipe_floor.py --seeds 0 1 2 --variants tv lk lk_alpha lr_x0.1 epochs_1
+
+Prints one JSON line: per variant, per seed and mean / sd / min / max of each τ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+import test_recipe_floor as floor  # noqa: E402  (the test owns the data; this script only measures)
+
+# name -> overrides of the default train settings
+VARIANTS: dict[str, dict] = {
+    "default": {},  # soft_ce
+    "tv": {"loss": "tv"},
+    "lk": {"loss": "lk"},
+    "lk_alpha": {"loss": "lk_alpha"},
+    "lr_x0.1": {"learning_rate": 2e-4},  # a regression: a tenth of the default learning rate
+    "epochs_1": {"epochs": 1},  # a regression: a quarter of the default budget
+    "speculators_norms": {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True},
+}
+
+
+def simulated(world: dict, drafter_dir: Path, steps: int, temperature: float) -> dict:
+    """`draftflow evaluate`'s simulated acceptance of a trained drafter on the held-out range."""
+    from draftflow.drafters.train import load_drafter
+    from draftflow.drafters.ttt import TargetHead
+    from draftflow.evaluation.evaluate import simulate
+    from draftflow.hidden_states.storage import HiddenStateReader
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(world["target"], dtype=torch.float32)
+    drafter, _ = load_drafter(drafter_dir, world["target"], dtype=torch.float32)
+    head = TargetHead(target.get_output_embeddings().weight, drafter.t2d)
+    result = simulate(drafter, head, HiddenStateReader(world["eval"]), steps, temperature=temperature)
+    return {"tau": round(result.tau, 4), "alpha": [round(a, 3) for a in result.alpha]}
+
+
+def spread(values: list[float]) -> dict:
+    return {"mean": round(statistics.fmean(values), 4),
+            "sd": round(statistics.stdev(values), 4) if len(values) > 1 else None,
+            "min": min(values), "max": max(values)}  # fmt: skip
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS))
+    p.add_argument("--output", type=Path, help="also append the JSON line to this file")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    result: dict = {"bench": "recipe_floor", "tau_floor": floor.TAU_FLOOR, "seeds": a.seeds, "variants": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        world = floor.make_world(Path(tmp) / "world")
+        for name in a.variants:
+            runs = []
+            for seed in a.seeds:
+                out = Path(tmp) / f"{name}-s{seed}"
+                start = time.perf_counter()
+                summary = floor.train_tau(world, out, seed=seed, **VARIANTS[name])
+                seconds = time.perf_counter() - start
+                steps = len(summary["step_alpha"])
+                run = {"seed": seed, "train_tau": round(summary["tau"], 4), "optimizer_steps": summary["steps"],
+                       "train_seconds": round(seconds, 1),
+                       "T0": simulated(world, out / "drafter", steps, 0.0),
+                       "T1": simulated(world, out / "drafter", steps, 1.0)}  # fmt: skip
+                print(f"{name} seed {seed}: {json.dumps(run)}", file=sys.stderr, flush=True)
+                runs.append(run)
+            result["variants"][name] = {
+                "overrides": VARIANTS[name], "runs": runs,
+                "train_tau": spread([r["train_tau"] for r in runs]),
+                "T0": spread([r["T0"]["tau"] for r in runs]), "T1": spread([r["T1"]["tau"] for r in runs]),
+            }  # fmt: skip
+    line = json.dumps(result)
+    print(line)
+    if a.output:
+        with a.output.open("a") as f:
+            f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
