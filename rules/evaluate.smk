@@ -24,8 +24,12 @@ rule evaluate:
     resources:
         gpu=evaluate_gpus(),
     params:
-        settings=lambda w: as_settings(split_settings("evaluate", evaluate_settings())[0]),
-        runtime=lambda w: Operational(split_settings("evaluate", evaluate_settings())[1]),
+        settings=lambda w: as_settings(
+            split_settings("evaluate", evaluate_settings())[0]
+        ),
+        runtime=lambda w: Operational(
+            split_settings("evaluate", evaluate_settings())[1]
+        ),
         target_identity=lambda w: target_identity(),
         target=lambda w: Operational(target_dir()),
         out_dir=lambda w, output: os.path.dirname(output.json),
