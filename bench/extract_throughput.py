@@ -9,7 +9,13 @@ download), then measures in one run, on the same model and batch shape:
       local disk,
   (c) bytes on disk / raw hidden-state bytes (bf16).
 
-Goals: (b) >= 0.90 x (a) and (c) <= 0.72. Prints one JSON line with every figure.
+Goals: (b) >= 0.90 x (a); (c) <= 0.72 lossless, <= 0.40 with `--storage fp8`. Prints one
+JSON line with every figure; with several `--storage` modes, one extraction per mode in the
+same process (each right after its own forward-only measurement), under "modes".
+
+fp8 runs also report the reconstruction error: the first batch is captured again, and per
+captured state the row-wise relative L2 error ||stored - capture|| / ||capture|| (mean and
+max over rows); the stored codes must equal a fresh GPU quantization bit for bit.
 
 Checksums (`--checks`): extraction reads the store only to re-index a sample it reuses (a
 resumed or re-merged range), and since files carry a payload checksum that re-index checks it
@@ -19,6 +25,7 @@ file hash). Both are timed on the written files on one thread, side by side
 file as a share of the writer pool's time in (b) (`payload_hash_share_of_writers`).
 
     python bench/extract_throughput.py                 # H200: 8B shape, 2048-token samples
+    python bench/extract_throughput.py --storage lossless fp8   # both modes, side by side
     python bench/extract_throughput.py --tiny          # any machine, seconds (CPU if no CUDA)
     python bench/extract_throughput.py --store-dir /local/nvme/tmp --writer-threads 12
     python bench/extract_throughput.py --checks        # + the cost of the stored-file checks
@@ -46,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from draftflow.engines.hf_capture import HfCaptureEngine  # noqa: E402
 from draftflow.hidden_states.extract import ExtractOptions, Record, extract_range  # noqa: E402
-from draftflow.hidden_states.storage import SampleStore, checksum, decode_sample, read_header  # noqa: E402
+from draftflow.hidden_states.storage import SampleStore, checksum, decode_sample, quantize_fp8, read_header  # noqa: E402
 
 LLAMA_31_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -74,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checks", action="store_true", help="also time re-indexing with / without the file checks")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--storage", nargs="+", choices=["lossless", "fp8"], default=["lossless"],
+                   help="extract.storage mode(s), measured one after the other in this process")  # fmt: skip
     args = p.parse_args(argv)
     defaults = (24, 128, 512, 5) if args.tiny else (400, 2048, 16384, 10)
     for name, value in zip(("samples", "seq_len", "batch_tokens", "forward_iters"), defaults):
@@ -123,17 +132,87 @@ def make_records(n: int, seq_len: int, vocab: int, seed: int) -> list[Record]:
     return [Record(f"bench-{i}", "bench", rng.integers(1, vocab, size=seq_len, dtype=np.int64), mask, i) for i in range(n)]
 
 
-def verify_first_batch(engine: HfCaptureEngine, store: SampleStore, records: list[Record], entries, per_batch: int) -> dict:
+def verify_first_batch(
+    engine: HfCaptureEngine, store: SampleStore, records: list[Record], entries, per_batch: int, storage: str
+) -> dict:
     """Recapture the first batch (equal lengths: records 0..per_batch-1) and compare with the
-    stored, decoded samples: checks the pinned-buffer / side-stream copy path end to end."""
+    stored, decoded samples: checks the pinned-buffer / side-stream copy path end to end.
+
+    lossless: stored == capture bit for bit. fp8: stored codes and scales == a fresh
+    quantization on the capture device, and the reconstruction error per state."""
     first = records[:per_batch]
-    fresh = [h.cpu() for h in engine.capture([r.input_ids for r in first])]
-    exact, max_diff = True, 0.0
-    for record, hidden, entry in zip(first, fresh, entries):
-        stored = decode_sample(store.get(entry.key), check=True).hidden
-        exact &= torch.equal(stored, hidden)
-        max_diff = max(max_diff, (stored.float() - hidden.float()).abs().max().item())
-    return {"samples": len(first), "bit_exact": bool(exact), "max_abs_diff": max_diff}
+    captured = engine.capture([r.input_ids for r in first])  # on the device
+    exact, max_diff, errors = True, 0.0, []
+    for hidden, entry in zip(captured, entries):
+        sample = decode_sample(store.get(entry.key), check=True, fp8_codes=True)
+        fresh = hidden.cpu()
+        if storage == "fp8":
+            q = quantize_fp8(hidden, check=False)
+            exact &= torch.equal(sample.fp8.codes, q.codes.cpu()) and torch.equal(sample.fp8.exps, q.exps.cpu())
+            x = fresh.double()
+            errors.append((sample.hidden.double() - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-300))  # [T, L]
+        else:
+            exact &= torch.equal(sample.hidden, fresh)
+        max_diff = max(max_diff, (sample.hidden.float() - fresh.float()).abs().max().item())
+    out = {"samples": len(first), "bit_exact": bool(exact), "max_abs_diff": max_diff}
+    if errors:
+        rows = torch.cat(errors)  # [sum T, L]
+        names = [f"aux_layer_{i}" for i in engine.aux_layer_ids] + ["final"]
+        out["row_relative_l2_error"] = {
+            name: {"mean": round(float(rows[:, k].mean()), 5), "max": round(float(rows[:, k].max()), 5)}
+            for k, name in enumerate(names)
+        }
+    return out
+
+
+GOAL_RATIO = {"lossless": 0.72, "fp8": 0.40}
+
+
+def extract_once(args, engine, records, aux, raw_hidden: int, per_batch: int, storage: str, forward_tps: float) -> dict:
+    """(b) and (c) for one storage mode, in a temp store deleted afterwards unless --keep."""
+    device = engine.device
+    store_root = Path(tempfile.mkdtemp(prefix=f"draftflow-bench-{storage}-", dir=args.store_dir))
+    try:
+        settings = {
+            "engine": "hf", "aux_layer_ids": aux, "dtype": "bfloat16", "storage": storage,
+            "target_identity": f"bench-random-{'tiny' if args.tiny else 'llama31-8b'}-seed{args.seed}",
+        }  # fmt: skip
+        options = ExtractOptions(
+            batch_tokens=args.batch_tokens, compression_level=args.compression_level,
+            writer_threads=args.writer_threads, log_every_s=15.0, storage=storage,
+        )  # fmt: skip
+        sync(device)
+        t0 = time.perf_counter()
+        outcome = extract_range(records, engine, SampleStore(store_root), settings, options, label=f"bench-{storage}")
+        sync(device)
+        extract_s = time.perf_counter() - t0  # every file written and fsync'd
+        stored = sum(e.nbytes for e in outcome.entries)
+        verify = verify_first_batch(engine, SampleStore(store_root), records, outcome.entries, per_batch, storage)
+        checks = check_costs(SampleStore(store_root), outcome.entries, extract_s, args.writer_threads) if args.checks else None
+        extract_tps = args.samples * args.seq_len / extract_s
+        return {
+            "storage": storage,
+            "forward_tokens_per_s": round(forward_tps, 1),
+            "extract_tokens_per_s": round(extract_tps, 1),
+            "extract_vs_forward": round(extract_tps / forward_tps, 4),
+            "extract_s": round(extract_s, 3),
+            "capture_s": round(outcome.stats.capture_s, 3),
+            "writer_wait_s": round(outcome.stats.writer_wait_s, 3),
+            "bytes_stored": stored,
+            "bytes_raw_payload": sum(e.raw_nbytes for e in outcome.entries),
+            "ratio": round(stored / raw_hidden, 4),
+            "goals": {
+                "extract_vs_forward>=0.90": extract_tps / forward_tps >= 0.90,
+                f"ratio<={GOAL_RATIO[storage]}": stored / raw_hidden <= GOAL_RATIO[storage],
+            },
+            "computed": outcome.stats.computed,
+            "verify": verify,
+            **({"checks": checks} if checks else {}),
+            "store": str(store_root),
+        }
+    finally:
+        if not args.keep:
+            shutil.rmtree(store_root, ignore_errors=True)
 
 
 def check_costs(store: SampleStore, entries, extract_s: float, writer_threads: int, repeat: int = 3) -> dict:
@@ -189,64 +268,32 @@ def main(argv: list[str] | None = None) -> int:
     build_s = time.perf_counter() - t_build
     per_batch = max(1, args.batch_tokens // args.seq_len)
 
-    forward_tps = forward_throughput(engine, per_batch, args.seq_len, shape["vocab_size"], args.forward_iters)
-
     if args.store_dir is not None:
         args.store_dir.mkdir(parents=True, exist_ok=True)
-    store_root = Path(tempfile.mkdtemp(prefix="draftflow-bench-store-", dir=args.store_dir))
+    records = make_records(args.samples, args.seq_len, shape["vocab_size"], args.seed + 1)
+    raw_hidden = args.samples * args.seq_len * (len(aux) + 1) * shape["hidden_size"] * 2
+    modes, versions = {}, {"torch": torch.__version__, **engine.versions(), "python": sys.version.split()[0]}
     try:
-        settings = {
-            "engine": "hf", "aux_layer_ids": aux, "dtype": "bfloat16",
-            "target_identity": f"bench-random-{'tiny' if args.tiny else 'llama31-8b'}-seed{args.seed}",
-        }  # fmt: skip
-        options = ExtractOptions(
-            batch_tokens=args.batch_tokens, compression_level=args.compression_level,
-            writer_threads=args.writer_threads, log_every_s=15.0,
-        )  # fmt: skip
-        records = make_records(args.samples, args.seq_len, shape["vocab_size"], args.seed + 1)
-        sync(device)
-        t0 = time.perf_counter()
-        outcome = extract_range(records, engine, SampleStore(store_root), settings, options, label="bench")
-        sync(device)
-        extract_s = time.perf_counter() - t0  # every file written and fsync'd
-        stored = sum(e.nbytes for e in outcome.entries)
-        verify = verify_first_batch(engine, SampleStore(store_root), records, outcome.entries, per_batch)
-        checks = check_costs(SampleStore(store_root), outcome.entries, extract_s, args.writer_threads) if args.checks else None
-        raw_hidden = args.samples * args.seq_len * (len(aux) + 1) * shape["hidden_size"] * 2
-        extract_tps = args.samples * args.seq_len / extract_s
-        result = {
-            "bench": "extract_throughput",
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "model": "tiny-llama" if args.tiny else "llama-3.1-8b-shaped (random bf16)",
-            "samples": args.samples, "seq_len": args.seq_len, "batch_tokens": args.batch_tokens,
-            "samples_per_forward": per_batch, "aux_layer_ids": aux,
-            "writer_threads": args.writer_threads, "compression_level": args.compression_level,
-            "forward_tokens_per_s": round(forward_tps, 1),
-            "extract_tokens_per_s": round(extract_tps, 1),
-            "extract_vs_forward": round(extract_tps / forward_tps, 4),
-            "extract_s": round(extract_s, 3),
-            "capture_s": round(outcome.stats.capture_s, 3),
-            "writer_wait_s": round(outcome.stats.writer_wait_s, 3),
-            "bytes_stored": stored,
-            "bytes_raw_hidden_bf16": raw_hidden,
-            "bytes_raw_payload": sum(e.raw_nbytes for e in outcome.entries),
-            "ratio": round(stored / raw_hidden, 4),
-            "goals": {
-                "extract_vs_forward>=0.90": extract_tps / forward_tps >= 0.90,
-                "ratio<=0.72": stored / raw_hidden <= 0.72,
-            },
-            "computed": outcome.stats.computed,
-            "verify": verify,
-            **({"checks": checks} if checks else {}),
-            "model_build_s": round(build_s, 2),
-            "store": str(store_root),
-            "versions": {"torch": torch.__version__, **engine.versions(), "python": sys.version.split()[0]},
-            "cpu_count": os.cpu_count(),
-        }  # fmt: skip
+        for storage in args.storage:
+            forward_tps = forward_throughput(engine, per_batch, args.seq_len, shape["vocab_size"], args.forward_iters)
+            modes[storage] = extract_once(args, engine, records, aux, raw_hidden, per_batch, storage, forward_tps)
     finally:
         engine.close()
-        if not args.keep:
-            shutil.rmtree(store_root, ignore_errors=True)
+    result = {
+        "bench": "extract_throughput",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "model": "tiny-llama" if args.tiny else "llama-3.1-8b-shaped (random bf16)",
+        "samples": args.samples, "seq_len": args.seq_len, "batch_tokens": args.batch_tokens,
+        "samples_per_forward": per_batch, "aux_layer_ids": aux,
+        "writer_threads": args.writer_threads, "compression_level": args.compression_level,
+        "bytes_raw_hidden_bf16": raw_hidden,
+        "modes": modes,
+        "model_build_s": round(build_s, 2),
+        "versions": versions,
+        "cpu_count": os.cpu_count(),
+    }  # fmt: skip
+    if len(modes) == 1:  # the flat layout of earlier runs, for one mode
+        result.update(next(iter(modes.values())))
     print(json.dumps(result), flush=True)
     return 0
 

@@ -10,6 +10,12 @@ change scores on the same data (BENCHMARKS.md "The recipe floor").
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/recipe_floor.py --seeds 0 1 2 3 4 5 6 7 8 9 --variants default
     OMP_NUM_THREADS=1 .venv/bin/python bench/recipe_floor.py --seeds 0 1 2 --variants tv lk lk_alpha lr_x0.1 epochs_1
+    OMP_NUM_THREADS=1 .venv/bin/python bench/recipe_floor.py --seeds 0 1 2 --variants default sweep  # the defaults' sweep
+    OMP_NUM_THREADS=1 .venv/bin/python bench/recipe_floor.py --seeds 0 1 2 --variants default --set learning_rate=0.003
+
+`--set key=value` (repeatable; the value is read as YAML) overrides a `train` setting in every variant;
+a `draft_vocab_size` other than the test's gets its own vocabulary file (the top tokens of the same
+loss-masked counts). `sweep` stands for the variants of `SWEEP`.
 
 Prints one JSON line: per variant, per seed and mean / sd / min / max of each τ.
 """
@@ -39,7 +45,22 @@ VARIANTS: dict[str, dict] = {
     "lr_x0.1": {"learning_rate": 2e-4},  # a regression: a tenth of the default learning rate
     "epochs_1": {"epochs": 1},  # a regression: a quarter of the default budget
     "speculators_norms": {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True},
+    # the sweep of the defaults (issue 13 item 4): one setting changed at a time from config/config.yaml's
+    # learning_rate 2e-3, schema's cosine schedule, config.yaml's 4 epochs and the test's draft vocab 64 of 96
+    "lr_5e-4": {"learning_rate": 5e-4},
+    "lr_1e-3": {"learning_rate": 1e-3},
+    "lr_4e-3": {"learning_rate": 4e-3},
+    "lr_8e-3": {"learning_rate": 8e-3},
+    "schedule_linear": {"schedule": "linear"},
+    "schedule_constant": {"schedule": "constant"},
+    "epochs_2": {"epochs": 2},
+    "epochs_8": {"epochs": 8},
+    "dvocab_32": {"draft_vocab_size": 32},
+    "dvocab_48": {"draft_vocab_size": 48},
+    "dvocab_96": {"draft_vocab_size": 96},  # the whole target vocabulary
 }
+SWEEP = ["lr_5e-4", "lr_1e-3", "lr_4e-3", "lr_8e-3", "schedule_linear", "schedule_constant", "epochs_2", "epochs_8",
+         "dvocab_32", "dvocab_48", "dvocab_96"]  # fmt: skip
 
 
 def simulated(world: dict, drafter_dir: Path, steps: int, temperature: float) -> dict:
@@ -57,6 +78,31 @@ def simulated(world: dict, drafter_dir: Path, steps: int, temperature: float) ->
     return {"tau": round(result.tau, 4), "alpha": [round(a, 3) for a in result.alpha]}
 
 
+def parse_sets(items: list[str]) -> dict:
+    """`key=value` pairs (value read as YAML: numbers, booleans, strings) into train overrides."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: expected key=value, e.g. --set learning_rate=0.001")
+        out[key.removeprefix("train.")] = yaml.safe_load(value)
+    return out
+
+
+def world_for(world: dict, draft_vocab_size: int | None) -> dict:
+    """The world with a vocabulary file of `draft_vocab_size` (top loss-masked tokens of the same counts)."""
+    from draftflow.drafters.vocab import save_vocab, select_draft_vocab
+
+    if draft_vocab_size is None or draft_vocab_size == floor.DRAFT_VOCAB:
+        return world
+    path = world["root"] / f"vocab-{draft_vocab_size}.safetensors"
+    if not path.exists():
+        save_vocab(select_draft_vocab(world["counts"], draft_vocab_size), path)
+    return {**world, "vocab": path}
+
+
 def spread(values: list[float]) -> dict:
     return {"mean": round(statistics.fmean(values), 4),
             "sd": round(statistics.stdev(values), 4) if len(values) > 1 else None,
@@ -66,19 +112,28 @@ def spread(values: list[float]) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS) + ["sweep"])
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a train setting")
     p.add_argument("--output", type=Path, help="also append the JSON line to this file")
     a = p.parse_args(argv)
+    sets = parse_sets(a.set)
+    names = [n for v in a.variants for n in (SWEEP if v == "sweep" else [v])]
     torch.set_num_threads(1)
-    result: dict = {"bench": "recipe_floor", "tau_floor": floor.TAU_FLOOR, "seeds": a.seeds, "variants": {}}
+    result: dict = {"bench": "recipe_floor", "tau_floor": floor.TAU_FLOOR, "seeds": a.seeds, "set": sets,
+                    "variants": {}}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         world = floor.make_world(Path(tmp) / "world")
-        for name in a.variants:
+        masked = world["counts"] > 0
+        result["data"] = {"vocab": floor.VOCAB, "distinct_masked_tokens": int(masked.sum()),
+                          "draft_vocab": floor.DRAFT_VOCAB}  # fmt: skip
+        for name in names:
+            overrides = {**VARIANTS[name], **sets}
+            vworld = world_for(world, overrides.get("draft_vocab_size"))
             runs = []
             for seed in a.seeds:
                 out = Path(tmp) / f"{name}-s{seed}"
                 start = time.perf_counter()
-                summary = floor.train_tau(world, out, seed=seed, **VARIANTS[name])
+                summary = floor.train_tau(vworld, out, seed=seed, **overrides)
                 seconds = time.perf_counter() - start
                 steps = len(summary["step_alpha"])
                 run = {"seed": seed, "train_tau": round(summary["tau"], 4), "optimizer_steps": summary["steps"],
@@ -88,7 +143,7 @@ def main(argv=None) -> int:
                 print(f"{name} seed {seed}: {json.dumps(run)}", file=sys.stderr, flush=True)
                 runs.append(run)
             result["variants"][name] = {
-                "overrides": VARIANTS[name], "runs": runs,
+                "overrides": overrides, "runs": runs,
                 "train_tau": spread([r["train_tau"] for r in runs]),
                 "T0": spread([r["T0"]["tau"] for r in runs]), "T1": spread([r["T1"]["tau"] for r in runs]),
             }  # fmt: skip

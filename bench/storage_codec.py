@@ -15,6 +15,12 @@ count, encode-only tokens/s, and the GIL time held per sample (a watcher thread 
 sleeps 0.2 ms measures how long it waits to run again), whose inverse caps a writer pool
 of any size. The capture takes ~1 min on 2 CPU cores; `--cache` keeps it.
 
+fp8 (`extract.storage: fp8`, on by default, `--storage lossless` skips it): the same
+samples as fp8 files: stored / raw bf16 (also without the sign chain, for comparison),
+encode MB/s from codes the GPU already quantized (the extraction writer's job) and with
+CPU quantization, decode MB/s, and the reconstruction error per captured state (row-wise
+relative L2 error ||decoded - x|| / ||x||, mean and max over rows).
+
     .venv/bin/python bench/storage_codec.py --hidden-size 1024 --layers 8          # CPU, minutes
     .venv/bin/python bench/storage_codec.py --only-scaling --cache /tmp/act8b.pt   # writer scaling only
     python bench/storage_codec.py --hidden-size 4096 --layers 32 --device cuda       # Llama-8B-shaped
@@ -38,7 +44,14 @@ import torch
 import zstandard
 
 from draftflow.hidden_states import storage
-from draftflow.hidden_states.storage import CHECKSUM_ALGORITHM, SampleStore, byte_planes, decode_sample, encode_sample
+from draftflow.hidden_states.storage import (
+    CHECKSUM_ALGORITHM,
+    SampleStore,
+    byte_planes,
+    compression_params,
+    decode_sample,
+    encode_sample,
+)
 
 # The writer's encoder: the list of buffers that `SampleStore.put` writes with os.writev; older
 # draftflow (before it existed) joined everything into one bytes object.
@@ -177,6 +190,59 @@ def writer_scaling(
         shutil.rmtree(root, ignore_errors=True)
 
 
+def row_errors(decoded: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+    """[T, L] relative L2 error of each row (token × state); all-zero rows count as 0."""
+    x = original.double()
+    norm = x.norm(dim=-1)
+    err = (decoded.double() - x).norm(dim=-1)
+    return torch.where(norm > 0, err / norm.clamp_min(1e-300), err)
+
+
+def error_by_layer(errors: list[torch.Tensor]) -> dict:
+    """Per captured state: mean and max row relative L2 error over all rows of all samples."""
+    rows = torch.cat(errors)  # [sum T, L]
+    names = [f"aux{i}" for i in range(rows.shape[1] - 1)] + ["final"]
+    return {name: {"mean": round(float(rows[:, k].mean()), 5), "max": round(float(rows[:, k].max()), 5)}
+            for k, name in enumerate(names)}  # fmt: skip
+
+
+def fp8_codec(samples: list[torch.Tensor], ids: list[np.ndarray], level: int, repeat: int) -> dict:
+    """fp8 files of the same samples: ratio, speeds, reconstruction error (see the module docstring)."""
+    raw = sum(h.numel() * 2 for h in samples)
+    quantized = [storage.quantize_fp8(h) for h in samples]
+    encoded = [encode_sample(i, i % 2, q, level=level) for i, q in zip(ids, quantized)]
+    zstd = zstandard.ZstdCompressor(compression_params=compression_params(level))
+    unchained = sum(len(zstd.compress(q.codes.numpy().tobytes())) for q in quantized)
+    chained = sum(s["nbytes"] for d in encoded for s in storage.read_header(d).sections if s["name"] == "hidden.fp8")
+    errors = []
+    for data, q, h in zip(encoded, quantized, samples):
+        sample = decode_sample(data, check=True, fp8_codes=True)
+        assert torch.equal(sample.fp8.codes, q.codes) and storage.fp8_problem(sample.fp8) is None
+        errors.append(row_errors(sample.hidden, h))
+
+    def encode_codes():
+        for i, q in zip(ids, quantized):
+            encode_sample(i, i % 2, q, level=level)
+
+    def encode_with_quantize():
+        for i, h in zip(ids, samples):
+            encode_sample(i, i % 2, h, level=level, storage="fp8")
+
+    def decode_all():
+        for data in encoded:
+            decode_sample(data)
+
+    return {
+        "ratio_vs_raw_bf16": round(sum(map(len, encoded)) / raw, 4),
+        "codes_plane_vs_raw_bf16": round(chained / raw, 4),
+        "codes_plane_without_sign_chain_vs_raw_bf16": round(unchained / raw, 4),
+        "encode_MBps_1_thread_codes_given": round(raw / timed(encode_codes, repeat) / 1e6),
+        "encode_MBps_1_thread_with_cpu_quantize": round(raw / timed(encode_with_quantize, 1) / 1e6),
+        "decode_MBps_1_thread": round(raw / timed(decode_all, repeat) / 1e6),
+        "row_relative_l2_error": error_by_layer(errors),
+    }
+
+
 def scaling_sample(args) -> torch.Tensor:
     if args.cache and args.cache.exists():
         return torch.load(args.cache)
@@ -203,6 +269,8 @@ def main() -> None:
     parser.add_argument("--store-dir", default=None, help="where the scaling run's temp store goes")
     parser.add_argument("--cache", type=Path, help="save / load the scaling sample here (torch.save)")
     parser.add_argument("--only-scaling", action="store_true", help="skip the codec comparison")
+    parser.add_argument("--storage", nargs="+", choices=["lossless", "fp8"], default=["lossless", "fp8"],
+                        help="fp8: also measure fp8 files of the same samples")  # fmt: skip
     args = parser.parse_args()
 
     scaling = None
@@ -246,6 +314,7 @@ def main() -> None:
         with ThreadPoolExecutor(n) as ex:
             s = timed(lambda: list(ex.map(lambda a: encode_sample(a[0], a[0] % 2, a[1], level=args.level), jobs)), 1)
         pool[n] = round(raw * 4 / s / 1e6)
+    fp8 = fp8_codec(samples, ids, args.level, args.repeat) if "fp8" in args.storage else None
     print(json.dumps({
         "shape": f"[T, 4, {args.hidden_size}] bf16, T in {args.lengths}",
         "model": f"random Llama, {args.layers} layers, device {args.device} (capture {capture_s:.0f} s)",
@@ -263,6 +332,7 @@ def main() -> None:
         "verify_over_encode": round(hash_s / enc_s, 4),
         "encode_MBps_by_threads": pool,
         "writer_scaling": scaling,
+        "fp8": fp8,
     }, indent=2))  # fmt: skip
 
 

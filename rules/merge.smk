@@ -51,6 +51,7 @@ rule plan_storage:
                 ],
                 "hidden_size": config["target"]["hidden_size"],
                 "num_hidden_layers": config["target"]["num_hidden_layers"],
+                "storage": config["extract"]["storage"],
             }
         ),
         target_identity=lambda w: target_identity(),

@@ -306,6 +306,28 @@ def test_cuda_pipeline_stores_exact_captures(target, split, tmp_path):
             assert torch.equal(stored, hidden.cpu())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pipeline_stores_fp8_quantized_on_the_gpu(target, split, tmp_path):
+    # fp8: the GPU quantizes, the slot carries codes + scale exponents; the files hold exactly those.
+    from draftflow.hidden_states.storage import quantize_fp8
+
+    path, _ = split
+    records = read_records(path, 0, 10)
+    s = settings(dtype="bfloat16", storage="fp8")
+    engine = make_capture_engine(s, target, ["cuda:0"])
+    store = SampleStore(tmp_path / "store")
+    options = ExtractOptions(batch_tokens=64, writer_threads=2, storage="fp8")
+    outcome = extract_range(records, engine, store, s, options)
+    by_id = {e.sample_id: e for e in outcome.entries}
+    for batch in plan_batches([len(r.input_ids) for r in records], 64):
+        fresh = engine.capture([records[p].input_ids for p in batch])
+        for p, hidden in zip(batch, fresh):
+            stored = decode_sample(store.get(by_id[records[p].sample_id].key), check=True, fp8_codes=True)
+            q = quantize_fp8(hidden, check=False)
+            assert torch.equal(stored.fp8.codes, q.codes.cpu()) and torch.equal(stored.fp8.exps, q.exps.cpu())
+            assert torch.equal(stored.hidden, q.dequantize())
+
+
 # ---- the target by content; repair in place (issue 12) ------------------------------------------
 
 
@@ -375,4 +397,33 @@ def test_verify_repair_recomputes_exactly_the_damaged_samples_in_place(target, s
     out = capsys.readouterr().out
     assert rc == 0 and f"CHANGED {range_dir} {damaged.sample_id}" in out and "snakemake --forcerun train" in out
     assert read_range_index(range_dir)[1][2].checksum == checksum(store.get(damaged.key))
+    assert cli.main(["verify", "--hidden-states", str(hs), "--decode"]) == 0
+
+
+def test_fp8_samples_get_the_read_checks_and_repair_bit_for_bit(target, split, tmp_path, capsys):
+    # issue 12's checks hold for fp8 files: reads compare the file hash with the index, re-indexing
+    # checks the header's payload checksum, and verify --repair rewrites the same fp8 bytes.
+    from draftflow.hidden_states.storage import BadRead, HiddenStateReader, read_header, storage_of_file
+
+    path, _ = split
+    hs = tmp_path / "hs"
+    s = {k: v for k, v in settings(dtype="bfloat16", storage="fp8").items() if k != "target_identity"}
+    run_extract(path, "train", 0, 10, target, hs / "store", s, hs / "train" / "rows_0-10")
+    range_dir = hs / "train" / "rows_0-10"
+    _, entries = read_range_index(range_dir)
+    store = SampleStore(hs / "store")
+    victim = entries[4]
+    assert storage_of_file(store.path(victim.key)) == "fp8"
+    assert read_header(store.get(victim.key)).payload_checksum is not None
+    original = store.get(victim.key)
+    _flip(store.path(victim.key))
+
+    bad = HiddenStateReader([range_dir]).read(4)
+    assert isinstance(bad, BadRead) and "file checksum differs" in bad.reason and bad.sample_id == victim.sample_id
+    with pytest.raises(DraftflowError, match="payload checksum mismatch"):
+        store.entry_for(victim.key, victim.sample_id)
+
+    assert cli.main(["verify", "--hidden-states", str(hs), "--repair"]) == 0
+    assert f"REPAIRED {range_dir} {victim.sample_id} {victim.key}: recomputed bit for bit" in capsys.readouterr().out
+    assert store.get(victim.key) == original
     assert cli.main(["verify", "--hidden-states", str(hs), "--decode"]) == 0

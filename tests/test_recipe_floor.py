@@ -99,7 +99,8 @@ def make_world(root: Path) -> dict:
         np.add.at(counts, ids[mask.astype(bool)], 1)
     save_vocab(select_draft_vocab(counts, DRAFT_VOCAB), root / "vocab.safetensors")
     return {"root": root, "target": root / "target", "vocab": root / "vocab.safetensors",
-            "train": [write_range(root, model, train, "train")], "eval": [write_range(root, model, held_out, "eval")]}  # fmt: skip
+            "train": [write_range(root, model, train, "train")], "eval": [write_range(root, model, held_out, "eval")],
+            "counts": counts}  # fmt: skip
 
 
 def default_train_settings(**overrides) -> dict:

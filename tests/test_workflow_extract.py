@@ -291,6 +291,36 @@ def test_capture_settings_change_reextracts_every_range(extracted, tmp_path):
     assert all("Params have changed" in reason and '"dtype":"float16"' in reason for reason in jobs["extract"])
 
 
+def test_storage_switch_reextracts_only_hidden_states_and_switching_back_reuses_every_file(extracted, tmp_path):
+    """extract.storage: fp8 gets its own store keys; lossless and fp8 files never mix."""
+    from draftflow.hidden_states.storage import storage_of_file
+
+    workdir = clone(extracted, tmp_path / "wf")
+    config = small_config()
+    config["extract"]["storage"] = "fp8"
+    write_config(workdir, config)
+    jobs = planned_jobs(snakemake(workdir, "-n", DATA_CONFIG, CONFIG).stdout)
+    assert not {"build_target", "prepare", "regenerate", "tokenize", "merge"} & set(jobs), jobs
+    assert {"plan_storage", "preflight"} <= set(jobs), jobs  # extract: re-planned after the preflight checkpoint
+    lossless_files = store_files(workdir)
+    snakemake(workdir, DATA_CONFIG, CONFIG)
+    data_config = json.loads((workdir / DATA_CONFIG).read_text())
+    assert data_config["storage"] == "fp8" and data_config["compression_ratio"] < 0.5
+    # every range extracted again; nothing lossless was taken
+    assert all(counts(d)["reused"] == 0 and counts(d)["computed"] > 0 for d in range_dirs(workdir))
+    modes = {}
+    for path in (workdir / STORE).glob(f"*/*/*{SUFFIX}"):
+        modes.setdefault(storage_of_file(path), set()).add(path.name[: -len(SUFFIX)])
+    assert modes["lossless"] == set(lossless_files) and len(modes["fp8"]) == len(lossless_files)
+
+    config["extract"]["storage"] = "lossless"  # and back: every lossless file is still there
+    write_config(workdir, config)
+    snakemake(workdir, DATA_CONFIG, CONFIG)
+    assert all(counts(d)["computed"] == 0 for d in range_dirs(workdir))
+    assert json.loads((workdir / DATA_CONFIG).read_text())["storage"] == "lossless"
+    assert {k: v for k, v in store_files(workdir).items() if k in lossless_files} == lossless_files
+
+
 # ---- verify --repair recomputes exactly the bad sample, and nothing reruns -------------------------
 
 

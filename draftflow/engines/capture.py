@@ -107,7 +107,7 @@ def layer_names(aux_layer_ids: Sequence[int]) -> list[str]:
 
 
 def capture_settings(settings: dict) -> dict:
-    """The subset of extract settings that determines captured values (the store digest's input)."""
+    """The subset of extract settings that determines stored values (the store digest's input)."""
     engine = settings.get("engine", "hf")
     if engine not in ENGINE_NUMERICS_KEYS:
         raise CaptureError(f"unknown capture engine {engine!r}; known: {sorted(ENGINE_NUMERICS_KEYS)}")
@@ -126,6 +126,13 @@ def capture_settings(settings: dict) -> dict:
         for part in dotted.split("."):
             value = value.get(part) if isinstance(value, dict) else None
         out[dotted] = value
+    # fp8 files hold other values than lossless ones: they get their own keys. Lossless keys
+    # stay what they were before storage modes existed, so existing stores remain valid.
+    storage = settings.get("storage", "lossless")
+    if storage not in ("lossless", "fp8"):
+        raise CaptureError(f"extract.storage is {storage!r}; use lossless or fp8")
+    if storage != "lossless":
+        out["storage"] = storage
     return out
 
 

@@ -14,7 +14,9 @@ before a rerun, the store survives, so
 
 On CUDA the GPU never waits on the disk: each captured batch is copied into a pinned host
 buffer on a side stream, and a writer pool (zstd and file I/O release the GIL) encodes and
-stores the samples while the next batch runs. A small ring of buffers bounds memory.
+stores the samples while the next batch runs. A small ring of buffers bounds memory. With
+`extract.storage: fp8` the GPU quantizes each capture (`storage.quantize_fp8`) before the
+copy, so half the bytes cross to the host and the writers only compress.
 
 `draftflow summarize-hidden-states` writes data_config.json and sample_lengths.json from
 the range indexes only, never from tensor data.
@@ -60,9 +62,12 @@ from draftflow.engines.capture import (
 from draftflow.errors import DraftflowError, where
 from draftflow.jsonl import read_json, write_json
 from draftflow.hidden_states.storage import (
+    STORAGE_MODES,
+    Fp8Hidden,
     IndexEntry,
     SampleStore,
     encode_sample_parts,
+    quantize_fp8,
     read_range_index,
     sample_key,
     sample_lengths,
@@ -188,26 +193,27 @@ class _SlotUse:
 class SampleWriter:
     """Encodes and stores samples on a thread pool (zstd, hashing and file I/O release the GIL)."""
 
-    def __init__(self, store: SampleStore, level: int, threads: int):
+    def __init__(self, store: SampleStore, level: int, threads: int, storage: str = "lossless"):
         self.store = store
         self.level = level
+        self.storage = storage
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="draftflow-writer")
         self.error: BaseException | None = None  # the first failed write stops the capture loop
         self._lock = threading.Lock()
 
-    def submit(self, record: Record, key: str, hidden: torch.Tensor, slot: _SlotUse) -> Future:
+    def submit(self, record: Record, key: str, hidden: torch.Tensor | Fp8Hidden, slot: _SlotUse) -> Future:
         return self.pool.submit(self._write, record, key, hidden, slot)
 
     def submit_existing(self, key: str, sample_id: str) -> Future:
         """Index entry of a sample already stored (reads its file, never decodes tensors)."""
         return self.pool.submit(self.store.entry_for, key, sample_id)
 
-    def _write(self, record: Record, key: str, hidden: torch.Tensor, slot: _SlotUse) -> IndexEntry:
+    def _write(self, record: Record, key: str, hidden: torch.Tensor | Fp8Hidden, slot: _SlotUse) -> IndexEntry:
         try:
             if self.store.contains(key):  # another job stored the same content meanwhile
                 return self.store.entry_for(key, record.sample_id)
             # A list of buffers, written with writev: joining it would hold the GIL for a full copy.
-            parts = encode_sample_parts(record.input_ids, record.loss_mask, hidden, level=self.level)
+            parts = encode_sample_parts(record.input_ids, record.loss_mask, hidden, self.level, self.storage)
             return self.store.put(key, parts).entry(record.sample_id, key)
         except BaseException as e:
             with self._lock:
@@ -228,7 +234,7 @@ class _InFlight:
     """A captured batch between its launch and its hand-off to the writers."""
 
     positions: list[int]  # record positions it stores
-    hiddens: list[torch.Tensor]  # [T, L, H] each, in host memory once `ready` fired
+    hiddens: list[torch.Tensor | Fp8Hidden]  # [T, L, H] each, in host memory once `ready` fired
     nonfinite: torch.Tensor  # [n, L] int64 non-finite counts, in host memory once `ready` fired
     slot: torch.Tensor | None
     ready: torch.cuda.Event | None  # None: already on the host
@@ -239,27 +245,37 @@ class _Stager:
 
     On CUDA, the non-finite counts and the captures are copied into a pinned slot on a side
     stream, ordered after the forward; the host waits on that batch's event only after the
-    next batch's forward has been queued, so the GPU always has work.
+    next batch's forward has been queued, so the GPU always has work. fp8: the captures are
+    quantized on the GPU first and the slot (uint8) receives codes and scale exponents; on
+    the CPU the writers quantize.
     """
 
-    def __init__(self, ring: _SlotRing, device: torch.device | None):
+    def __init__(self, ring: _SlotRing, device: torch.device | None, fp8: bool = False):
         self.ring = ring
+        self.fp8 = fp8
         self.stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
 
     def launch(self, positions: list[int], hiddens: list[torch.Tensor]) -> _InFlight:
         nonfinite = torch.stack([nonfinite_per_layer(h) for h in hiddens])  # [n, L] on the capture device
         slot = self.ring.acquire()  # blocks while every slot still awaits the writers
-        if self.stream is None or not hiddens[0].is_cuda:
+        if self.stream is None or not hiddens[0].is_cuda:  # CPU: fp8 quantization is left to the writers
             return _InFlight(positions, hiddens, nonfinite.cpu(), slot, None)
-        self.stream.wait_stream(torch.cuda.current_stream(hiddens[0].device))
+        capture_stream = torch.cuda.current_stream(hiddens[0].device)
+        if self.fp8:  # on the capture stream; non-finite values are refused by the counts above
+            hiddens = [quantize_fp8(h, check=False) for h in hiddens]
+        self.stream.wait_stream(capture_stream)
         host, offset = [], 0
         with torch.cuda.stream(self.stream):
-            for h in hiddens:  # h: [T, L, H] on the GPU
-                dst = slot[offset : offset + h.numel()].view(h.shape)
-                dst.copy_(h, non_blocking=True)
-                h.record_stream(self.stream)  # keep the GPU memory alive until the copy ran
-                host.append(dst)
-                offset += h.numel()
+            for h in hiddens:  # h: [T, L, H] on the GPU (fp8: codes [T, L, H] + exps [T, L])
+                tensors = (h.codes, h.exps) if self.fp8 else (h,)
+                copies = []
+                for t in tensors:
+                    dst = slot[offset : offset + t.numel()].view(t.dtype).view(t.shape)
+                    dst.copy_(t, non_blocking=True)
+                    t.record_stream(self.stream)  # keep the GPU memory alive until the copy ran
+                    copies.append(dst)
+                    offset += t.numel()
+                host.append(Fp8Hidden(*copies, h.dtype) if self.fp8 else copies[0])
             counts = torch.empty(nonfinite.shape, dtype=nonfinite.dtype, pin_memory=True)
             counts.copy_(nonfinite, non_blocking=True)
             nonfinite.record_stream(self.stream)
@@ -306,6 +322,7 @@ class ExtractOptions:
     writer_threads: int = 4
     ring_slots: int = 3  # host slots: one batch being copied, the rest being written
     log_every_s: float = 30.0
+    storage: str = "lossless"  # lossless | fp8 (storage.py)
 
     @classmethod
     def from_settings(cls, settings: dict) -> "ExtractOptions":
@@ -314,6 +331,7 @@ class ExtractOptions:
             on_error=settings.get("on_error", "fail"),
             compression_level=int(settings.get("compression_level", 1)),
             writer_threads=int(settings.get("writer_threads", 4)),
+            storage=settings.get("storage", "lossless"),
         )
 
 
@@ -347,6 +365,11 @@ class _RangeRun:
     def __init__(self, records, engine, store, settings, options: ExtractOptions, label: str):
         if options.on_error not in ("fail", "skip"):
             raise DraftflowError(f"extract.on_error must be 'fail' or 'skip', not {options.on_error!r}")
+        if options.storage not in STORAGE_MODES or options.storage != settings.get("storage", "lossless"):
+            raise DraftflowError(
+                f"extract.storage {options.storage!r} must be one of {', '.join(STORAGE_MODES)} and match the "
+                f"settings' {settings.get('storage', 'lossless')!r} (it enters the store keys)"
+            )
         self.records, self.engine, self.store, self.options, self.label = records, engine, store, options, label
         self.digest = settings_digest(capture_settings(settings))
         self.keys = [sample_key(self.digest, r.input_ids) for r in records]
@@ -381,10 +404,16 @@ class _RangeRun:
         )
         device = getattr(self.engine, "device", None)
         on_cuda = device is not None and torch.device(device).type == "cuda"
-        slot_numel = max([self.options.batch_tokens, *self.lengths]) * self.num_slots * self.engine.hidden_size
-        ring = _SlotRing(self.options.ring_slots, slot_numel, self.engine.dtype, pinned=on_cuda)
-        self.stager = _Stager(ring, torch.device(device) if on_cuda else None)
-        self.writer = SampleWriter(self.store, self.options.compression_level, self.options.writer_threads)
+        slot_rows = max([self.options.batch_tokens, *self.lengths]) * self.num_slots
+        fp8_on_gpu = on_cuda and self.options.storage == "fp8"
+        if fp8_on_gpu:  # a code per value and a scale exponent per row, 1 byte each
+            ring = _SlotRing(self.options.ring_slots, slot_rows * (self.engine.hidden_size + 1), torch.uint8, pinned=True)
+        else:
+            ring = _SlotRing(self.options.ring_slots, slot_rows * self.engine.hidden_size, self.engine.dtype, pinned=on_cuda)
+        self.stager = _Stager(ring, torch.device(device) if on_cuda else None, fp8=fp8_on_gpu)
+        self.writer = SampleWriter(
+            self.store, self.options.compression_level, self.options.writer_threads, self.options.storage
+        )
         self.ring = ring
         self.progress = _Progress(self.label, self.options.log_every_s, self.tokens_left)
         self.progress.update(self.stats, self.tokens_left, force=True)  # 0/total: `draftflow status` sees the job
@@ -580,6 +609,7 @@ def range_meta(
         "num_layers_captured": len(engine.aux_layer_ids) + 1,
         "hidden_size": engine.hidden_size,
         "dtype": settings.get("dtype", "bfloat16"),
+        "storage": settings.get("storage", "lossless"),
         **engine.layer_ids.as_json(),
         "versions": {
             "draftflow": draftflow.__version__,
@@ -668,8 +698,9 @@ def run_extract(
 # Index meta keys every range must agree on to form one data set.
 SHARED_KEYS = (
     "settings_digest", "convention", "aux_layer_ids", "final", "num_hidden_layers",
-    "num_layers_captured", "hidden_size", "dtype", "engine", "engine_layer_ids",
+    "num_layers_captured", "hidden_size", "dtype", "engine", "engine_layer_ids", "storage",
 )  # fmt: skip
+META_DEFAULTS = {"storage": "lossless"}  # what an index written before the key existed means
 
 
 def summarize_hidden_states(range_dirs: Sequence[Path], max_seq_len: int | None = None) -> tuple[dict, dict]:
@@ -677,6 +708,7 @@ def summarize_hidden_states(range_dirs: Sequence[Path], max_seq_len: int | None 
     if not range_dirs:
         raise DraftflowError("summarize-hidden-states: no range folders given")
     metas = {Path(d): read_range_index(Path(d))[0] for d in range_dirs}
+    metas = {d: {**META_DEFAULTS, **meta} for d, meta in metas.items()}
     first_dir, first = next(iter(metas.items()))
     for d, meta in metas.items():
         for key in SHARED_KEYS:
@@ -715,6 +747,7 @@ def summarize_hidden_states(range_dirs: Sequence[Path], max_seq_len: int | None 
         "engine_final": first.get("engine_final"),
         "hidden_size": first["hidden_size"],
         "dtype": first["dtype"],
+        "storage": first["storage"],
         "num_layers_captured": first["num_layers_captured"],
         "max_seq_len": max_seq_len if max_seq_len is not None else totals["max_length"],
         "total_samples": totals["total_samples"],

@@ -18,8 +18,16 @@ Formats (checked against SpecForge main: `scripts/prepare_hidden_states.py`,
   speculators trainer applies `verifier_norm` itself). Converting that slot to or
   from draftflow's post-norm state needs the target's final norm weight
   (`--target`), or an explicit `--copy-final` to copy the bits unchanged.
+  FP8 (hs-connectors 0.9.0, which speculators 0.9.0 requires: `FP8HiddenStatesConnector`
+  writes, `FP8Transfer` behind `--hidden-states-backend fp8` reads): `hidden_states` is
+  float8_e4m3fn [T, A+1, H] and `hidden_states_scales` float32, read as
+  `hidden_states.to(bf16) * scales.to(bf16)`. Their connector writes one scale per token
+  ([T, 1, 1]); the export of an fp8 draftflow store writes draftflow's own per-token,
+  per-state power-of-two scales ([T, A+1, 1], which that product broadcasts), so their
+  reader decodes exactly the bf16 values draftflow's reader returns.
 
-Internally every converter yields draftflow `Sample`s (post-norm final state).
+Internally every converter yields draftflow `Sample`s (post-norm final state); fp8
+samples keep their codes and scales (`Sample.fp8`), so fp8 -> fp8 conversions copy them.
 Exports also write `draftflow_export.json` (sample ids, content keys, range meta)
 so an import of an export restores ids, keys and metadata.
 """
@@ -42,11 +50,16 @@ import torch
 from draftflow.errors import DraftflowError
 from draftflow.jsonl import atomic_path, read_json, write_json
 from draftflow.hidden_states.storage import (
+    FP8_MAX_EXP,
+    FP8_MIN_EXP,
+    STORAGE_MODES,
+    Fp8Hidden,
     HiddenStateReader,
     IndexEntry,
     Sample,
     SampleStore,
     encode_sample,
+    quantize_fp8,
     find_range_dirs,
     read_range_index,
     sample_key,
@@ -59,6 +72,8 @@ log = logging.getLogger(__name__)
 FORMATS = ("draftflow", "specforge", "speculators")
 SIDECAR = "draftflow_export.json"
 SPECFORGE_GROUP = 2000  # SpecForge's default file_group_size
+SPECULATORS_SCALES = "hidden_states_scales"  # hs-connectors' fp8 scale tensor
+SPECULATORS_HIDDEN = ("auto", "fp8", "bf16")  # --speculators-hidden: auto = fp8 when the source is
 _SPECFORGE_FILE = re.compile(r"^data_(\d+)\.ckpt(\.gz)?$")
 _SPECULATORS_FILE = re.compile(r"^hs_(\d+)\.safetensors$")
 
@@ -139,7 +154,7 @@ def read_draftflow(input_dir: Path, store_root: Path | None = None) -> list[tupl
 
 
 def _draftflow_items(range_dirs: list[Path], store_root: Path | None) -> Iterator[Item]:
-    reader = HiddenStateReader(range_dirs, store_root=store_root, check=True)
+    reader = HiddenStateReader(range_dirs, store_root=store_root, check=True, fp8_codes=True)
     for i in range(len(reader)):
         yield Item(i, reader.sample_ids[i], reader.keys[i], reader[i])
 
@@ -255,15 +270,37 @@ def _speculators_items(files, rows, sidecar: dict, norm: FinalNorm | None) -> It
             token_ids, hidden = loaded["token_ids"].reshape(-1), loaded["hidden_states"]  # [T], [T, A+1, H]
         except KeyError as e:
             raise DraftflowError(f"{path}: missing tensor {e}") from None
+        fp8 = None
+        if SPECULATORS_SCALES in loaded:  # hs-connectors' FP8 files
+            hidden, fp8 = _speculators_dequantize(path, hidden, loaded[SPECULATORS_SCALES])
         if token_ids.tolist() != list(row["input_ids"]) or hidden.dim() != 3 or hidden.shape[0] != token_ids.shape[0]:
             raise DraftflowError(
                 f"{path}: token_ids / hidden_states {tuple(hidden.shape)} do not match dataset row {index}"
             )
         if norm is not None:
             hidden = torch.cat([hidden[:, :-1], norm.apply(hidden[:, -1])[:, None]], dim=1)
+            fp8 = None  # the final slot is no longer what the codes hold
         mask = np.asarray(row["loss_mask"], dtype=np.uint8)
         sample_id, key = known.get(index, (f"speculators-{index}", None))
-        yield Item(index, sample_id, key, Sample(token_ids.numpy().astype(np.int64), mask, hidden))
+        yield Item(index, sample_id, key, Sample(token_ids.numpy().astype(np.int64), mask, hidden, fp8))
+
+
+def _speculators_dequantize(path: Path, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, Fp8Hidden | None]:
+    """An hs-connectors FP8 file's [T, L, H] codes and scales -> bf16 as their FP8Transfer computes it,
+    plus the codes as an `Fp8Hidden` when the scales are draftflow's (powers of two per row)."""
+    if codes.dtype != torch.float8_e4m3fn or codes.dim() != 3:
+        raise DraftflowError(f"{path}: '{SPECULATORS_SCALES}' given but hidden_states is {codes.dtype} {tuple(codes.shape)}")
+    T, L, _ = codes.shape
+    try:
+        scales = scales.float().reshape(T, -1, 1).expand(T, L, 1)  # [T, 1 or L, 1] -> [T, L, 1]
+    except RuntimeError:
+        raise DraftflowError(f"{path}: '{SPECULATORS_SCALES}' {tuple(scales.shape)} does not fit hidden_states {tuple(codes.shape)}") from None
+    hidden = codes.to(torch.bfloat16) * scales.to(torch.bfloat16)  # [T, L, H], their dequantization
+    mant, exp = torch.frexp(scales[..., 0])  # [T, L]
+    exps = exp - 1
+    if bool((mant == 0.5).all()) and FP8_MIN_EXP <= int(exps.min()) and int(exps.max()) <= FP8_MAX_EXP:
+        return hidden, Fp8Hidden(codes.view(torch.uint8).contiguous(), exps.to(torch.int8).contiguous(), torch.bfloat16)
+    return hidden, None
 
 
 def _indexed_files(folder: Path, pattern: re.Pattern, recursive: bool) -> list[tuple[int, Path]]:
@@ -321,12 +358,24 @@ def write_draftflow(
     level: int = 1,
     digest: str | None = None,
     workers: int = 4,
+    storage: str | None = None,
 ) -> ConvertResult:
-    """Store samples and write range indexes `output_dir/rows_{s}-{e}/index.json` of `range_size` samples."""
+    """Store samples and write range indexes `output_dir/rows_{s}-{e}/index.json` of `range_size` samples.
+
+    storage: lossless | fp8 (None: the source's, from `meta`). fp8 samples with codes
+    (`Sample.fp8`) are stored as they are; others are quantized.
+    """
     output_dir = Path(output_dir)
     store = SampleStore(store_root or output_dir / "store")
+    source_storage = meta.get("storage", "lossless")
+    storage = storage or source_storage
+    if storage not in STORAGE_MODES:
+        raise DraftflowError(f"--storage {storage!r}: expected one of {', '.join(STORAGE_MODES)}")
     keep_keys = digest is None  # an explicit digest means: key every sample afresh under it
     digest = digest or meta.get("settings_digest") or settings_digest({"imported_into": str(output_dir.resolve())})
+    if storage != source_storage:  # other stored values: keys of their own, never the source's
+        keep_keys = False
+        digest = settings_digest({"derived_from": digest, "storage": storage})
     result = ConvertResult()
     shape: tuple[int, int, str] | None = None
 
@@ -334,7 +383,8 @@ def write_draftflow(
         key = (item.key if keep_keys else None) or sample_key(digest, item.sample.input_ids)
         if store.contains(key):  # content-keyed: an existing file holds these exact bits already
             return store.entry_for(key, item.sample_id)
-        data = encode_sample(item.sample.input_ids, item.sample.loss_mask, item.sample.hidden, level=level)
+        hidden = item.sample.fp8 if storage == "fp8" and item.sample.fp8 is not None else item.sample.hidden
+        data = encode_sample(item.sample.input_ids, item.sample.loss_mask, hidden, level=level, storage=storage)
         return store.put(key, data).entry(item.sample_id, key)
 
     def checked(items: Iterable[Item]) -> Iterator[Item]:
@@ -355,7 +405,7 @@ def write_draftflow(
 
     def flush(end: int) -> None:
         range_meta = dict(meta, settings_digest=digest, store_root=str(store.root.resolve()),
-                          num_layers_captured=shape[0], hidden_size=shape[1], dtype=shape[2])  # fmt: skip
+                          num_layers_captured=shape[0], hidden_size=shape[1], dtype=shape[2], storage=storage)  # fmt: skip
         range_dir = output_dir / f"rows_{start}-{end}"
         write_range_index(range_dir, entries, range_meta)
         result.outputs.append(str(range_dir))
@@ -392,9 +442,21 @@ def write_specforge(
 
 
 def write_speculators(
-    items: Iterable[Item], output_dir: Path, meta: dict, norm: FinalNorm | None, copy_final: bool, workers: int = 4
+    items: Iterable[Item],
+    output_dir: Path,
+    meta: dict,
+    norm: FinalNorm | None,
+    copy_final: bool,
+    workers: int = 4,
+    hidden_format: str = "auto",
 ) -> ConvertResult:
-    """Write a speculators dataset folder + `hidden_states/hs_{i}.safetensors` (row i of the dataset)."""
+    """Write a speculators dataset folder + `hidden_states/hs_{i}.safetensors` (row i of the dataset).
+
+    hidden_format: fp8 writes hs-connectors' FP8 layout (module docstring), bf16 plain
+    tensors, auto = fp8 for samples stored as fp8.
+    """
+    if hidden_format not in SPECULATORS_HIDDEN:
+        raise DraftflowError(f"--speculators-hidden {hidden_format!r}: expected one of {', '.join(SPECULATORS_HIDDEN)}")
     import pyarrow as pa
     from datasets import Dataset
     from safetensors.torch import save_file
@@ -411,15 +473,18 @@ def write_speculators(
             "token_ids": torch.from_numpy(item.sample.input_ids.astype(np.int64)),
             "hidden_states": hidden.contiguous(),
         }
+        if hidden_format == "fp8" or (hidden_format == "auto" and item.sample.fp8 is not None):
+            tensors.update(_speculators_fp8(item.sample, hidden, norm is not None))
         with atomic_path(output_dir / "hidden_states" / f"hs_{i}.safetensors") as tmp:
             save_file(tensors, str(tmp))
         return [i, item.sample_id, item.key], item.sample
 
     # Build the dataset from Arrow batches: Python int lists for 88M tokens would take several GB.
-    samples, batches, batch = [], [], []
+    samples, batches, batch, fp8_rows = [], [], [], 0
     for row, sample in _ordered_map(save, enumerate(items), workers):
         samples.append(row)
         batch.append(sample)
+        fp8_rows += hidden_format == "fp8" or (hidden_format == "auto" and sample.fp8 is not None)
         if len(batch) == 1000:
             batches.append(_speculators_batch(batch))
             batch = []
@@ -433,8 +498,26 @@ def write_speculators(
     norm_note = {
         "copy_final": copy_final,
         "final_state": "post-norm copied" if norm is None else "post-norm / norm weight",
+        "hidden_states": "fp8" if fp8_rows else "bf16",
     }
+    if fp8_rows:
+        log.info("%d samples in hs-connectors' FP8 layout: train with `--hidden-states-backend fp8`", fp8_rows)
     return _finish_export(output_dir, "speculators", samples, meta, norm_note)
+
+
+def _speculators_fp8(sample: Sample, hidden: torch.Tensor, final_changed: bool) -> dict[str, torch.Tensor]:
+    """`hidden_states` (float8_e4m3fn) and `hidden_states_scales` ([T, L, 1] float32) for one sample.
+
+    The stored codes when there are any (the final slot requantized if the norm changed
+    it), else a quantization of `hidden`.
+    """
+    q = sample.fp8 if sample.fp8 is not None else quantize_fp8(hidden)
+    codes, exps = q.codes.clone(), q.exps.clone()  # [T, L, H], [T, L]
+    if final_changed and sample.fp8 is not None:
+        final = quantize_fp8(hidden[:, -1:].contiguous())
+        codes[:, -1:], exps[:, -1:] = final.codes, final.exps
+    scales = torch.from_numpy(np.ldexp(np.float32(1), exps.numpy().astype(np.int32)))[..., None]  # [T, L, 1] 2^k, exact
+    return {"hidden_states": codes.view(torch.float8_e4m3fn), SPECULATORS_SCALES: scales}
 
 
 def _speculators_batch(samples: list[Sample]):
@@ -487,6 +570,8 @@ class ConvertOptions:
     level: int = 1
     settings_digest: str | None = None  # key imported samples under this digest (e.g. the extraction's)
     workers: int = 4
+    storage: str | None = None  # importing into draftflow: lossless | fp8 (None: the source's)
+    speculators_hidden: str = "auto"  # exporting to speculators: auto | fp8 | bf16
 
 
 def convert(
@@ -519,11 +604,12 @@ def convert(
             out = out / options.split if options.split else out
             store = options.store or output_dir / "store"
             result = write_draftflow(items, out, meta, store, options.range_size, options.level,
-                                     options.settings_digest, options.workers)  # fmt: skip
+                                     options.settings_digest, options.workers, options.storage)  # fmt: skip
         elif dst == "specforge":
             result = write_specforge(items, out, meta, workers=options.workers)
         else:
-            result = write_speculators(items, out, meta, norm, options.copy_final, workers=options.workers)
+            result = write_speculators(items, out, meta, norm, options.copy_final, options.workers,
+                                       options.speculators_hidden)  # fmt: skip
         total.samples += result.samples
         total.outputs += result.outputs
     return total
@@ -550,12 +636,22 @@ def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
     parser.add_argument("--level", type=int, default=1, help="into draftflow: zstd level")
     parser.add_argument("--settings-digest", help="into draftflow: key samples under this capture-settings digest")
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="writer threads")
+    parser.add_argument(
+        "--storage", choices=STORAGE_MODES, default=None,
+        help="into draftflow: lossless or fp8 sample files (default: the source's, else lossless)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--speculators-hidden", choices=SPECULATORS_HIDDEN, default="auto",
+        help="into speculators: fp8 = hs-connectors' FP8 layout (train with --hidden-states-backend fp8), "
+        "bf16 = plain; auto = fp8 for an fp8 store",
+    )  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
     options = ConvertOptions(
         target=args.target, copy_final=args.copy_final, split=args.split, store=args.store,
         range_size=args.range_size, level=args.level, settings_digest=args.settings_digest, workers=args.workers,
+        storage=args.storage, speculators_hidden=args.speculators_hidden,
     )  # fmt: skip
     result = convert(args.src, args.dst, args.input, args.output, options)
     print(f"converted {result.samples} samples {args.src} -> {args.dst}: {', '.join(result.outputs[:3])}"

@@ -2,9 +2,10 @@
 
 Per token the extraction stores every aux layer plus the final state (DESIGN.md §4):
 `bytes = tokens × (len(aux_layer_ids) + 1) × hidden_size × dtype bytes` raw, and about
-`expected_compression_ratio` of that on disk. The plan gives these figures per split,
-per range of the merge's range plan, and in total; `preflight` checks them against the
-free disk. Kimi-K2.5 (H = 7168, 4 captured layers, bf16): 57,344 bytes per token, so
+`expected_compression_ratio` of that on disk (by default 0.72 for `extract.storage:
+lossless`, 0.42 for `fp8`: BENCHMARKS.md measured 0.699 and ~0.39 on an 8B-shaped model).
+The plan gives these figures per split, per range of the merge's range plan, and in total;
+`preflight` checks them against the free disk. Kimi-K2.5 (H = 7168, 4 captured layers, bf16): 57,344 bytes per token, so
 21,033,536 tokens -> 1.206 TB raw.
 
 The model's depth and width come from the target's config.json (or its nested
@@ -15,6 +16,7 @@ planned before a 1 TB model is downloaded.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -30,6 +32,8 @@ from draftflow.jsonl import read_json, write_json
 log = logging.getLogger(__name__)
 
 DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
+# stored / raw bytes assumed per storage mode when the config leaves it null (measured, plus margin)
+DEFAULT_COMPRESSION_RATIO: dict[str, float] = {"lossless": 0.72, "fp8": 0.42}
 # where multimodal configs keep the language model's dimensions (Kimi-K2.5, Llama-4: text_config)
 NESTED_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
 _UNITS = ("B", "KB", "MB", "GB", "TB", "PB")
@@ -143,14 +147,19 @@ def resolve_aux_layer_ids(aux: Sequence[int] | None, num_layers: int) -> list[in
 class PlanSettings:
     aux_layer_ids: list[int] | None = None
     dtype: str = "bfloat16"
-    expected_compression_ratio: float = 0.72
+    expected_compression_ratio: float | None = None  # None: DEFAULT_COMPRESSION_RATIO[storage]
     hidden_size: int | None = None
     num_hidden_layers: int | None = None
+    storage: str = "lossless"  # extract.storage
 
     @classmethod
     def from_dict(cls, settings: Mapping[str, Any]) -> PlanSettings:
         reject_unknown_keys(settings, cls.__dataclass_fields__, "plan-storage settings")
         result = cls(**settings)
+        if result.storage not in DEFAULT_COMPRESSION_RATIO:
+            raise DraftflowError(f"extract.storage: unknown mode {result.storage!r}; use lossless or fp8")
+        if result.expected_compression_ratio is None:
+            result = dataclasses.replace(result, expected_compression_ratio=DEFAULT_COMPRESSION_RATIO[result.storage])
         if result.dtype not in DTYPE_BYTES:
             raise DraftflowError(f"extract.dtype: unknown dtype {result.dtype!r}; use one of {sorted(DTYPE_BYTES)}")
         if not 0 < result.expected_compression_ratio <= 1:
@@ -174,6 +183,8 @@ def plan_storage(manifest: Mapping[str, Any], target_dir: str | Path, settings: 
     captured = len(aux) + 1  # + the final (post-norm) state
     per_token = storage_bytes(1, captured, hidden, settings.dtype)
     ratio = settings.expected_compression_ratio
+    if ratio is None:  # constructed directly rather than by from_dict
+        ratio = DEFAULT_COMPRESSION_RATIO[settings.storage]
 
     splits = {}
     for split, ranges in manifest["ranges"].items():
@@ -193,6 +204,7 @@ def plan_storage(manifest: Mapping[str, Any], target_dir: str | Path, settings: 
         "hidden_size": hidden,
         "dtype": settings.dtype,
         "dtype_bytes": DTYPE_BYTES[settings.dtype],
+        "storage": settings.storage,
         "bytes_per_token": per_token,
         "expected_compression_ratio": ratio,
         "splits": splits,
@@ -221,9 +233,9 @@ def main(args: argparse.Namespace) -> int:
     write_json(args.output, plan)
     total = plan["total"]
     log.info(
-        "storage plan: %d tokens x %d layers %s x %d x %d bytes = %s raw, ~%s on disk at ratio %.2f",
+        "storage plan: %d tokens x %d layers %s x %d x %d bytes = %s raw, ~%s on disk at ratio %.2f (%s)",
         total["tokens"], plan["num_layers_captured"], plan["aux_layer_ids"] + ["final"], plan["hidden_size"],
         plan["dtype_bytes"], format_bytes(total["bytes_raw"]), format_bytes(total["bytes_expected"]),
-        plan["expected_compression_ratio"],
+        plan["expected_compression_ratio"], plan["storage"],
     )  # fmt: skip
     return 0

@@ -7,12 +7,14 @@ runs them all, reports every failure at once, and writes preflight.json only whe
 
 check_free_disk: the filesystem holding `--path` (or its nearest existing parent, as the
 folder may not exist yet) must have `planned × (1 + free_disk_margin)` bytes free, where
-`planned` is the storage plan's expected (compressed) total. Sample files already in the
-content-keyed store (`--path/store`, if present) are reused rather than rewritten, so
-their size is subtracted from the plan first. Only complete sample files count: a killed
-writer's temp files (`.<key>.dfhs.tmp-…`, removed by the next extraction) are not samples.
-This is an estimate: store files left by an older, incompatible run also count, which makes
-the check optimistic after such a run.
+`planned` is the storage plan's expected (compressed) total, which depends on
+`extract.storage`. Sample files already in the content-keyed store (`--path/store`, if
+present) are reused rather than rewritten, so their size is subtracted from the plan
+first. Only complete sample files of the plan's storage mode count: a killed writer's temp
+files (`.<key>.dfhs.tmp-…`, removed by the next extraction) are not samples, and lossless
+files are never reused by an fp8 run, nor the reverse. This is an estimate: store files of
+the same mode left by an older, incompatible run also count, which makes the check
+optimistic after such a run.
 Without a storage plan (`--plan` left out, e.g. a preflight before regeneration) it is skipped.
 
 Server checks (`draftflow.engines.servers.server_checks`), when the settings carry the config's
@@ -93,16 +95,22 @@ def nearest_existing(path: Path) -> Path:
     return path
 
 
-def stored_sample_bytes(store: Path) -> int:
-    """Bytes of the complete sample files in a store (`ab/cd/<key>.dfhs`); temp files start with '.'."""
+def stored_sample_bytes(store: Path, storage: str | None = None) -> int:
+    """Bytes of the complete sample files in a store (`ab/cd/<key>.dfhs`; temp files start
+    with '.'), only those stored in `storage` mode when given (None: a plan from before
+    storage modes, every sample file)."""
+    if storage is not None:
+        from draftflow.hidden_states.storage import storage_of_file  # loads torch: only when needed
     total = 0
     for path in Path(store).glob(f"*/*/*{SAMPLE_SUFFIX}"):
         if path.name.startswith("."):
             continue
         try:
-            total += path.lstat().st_size
+            size = path.lstat().st_size
         except FileNotFoundError:  # removed meanwhile
-            pass
+            continue
+        if storage is None or storage_of_file(path) == storage:
+            total += size
     return total
 
 
@@ -111,7 +119,8 @@ def check_free_disk(ctx: PreflightContext) -> CheckResult:
         return CheckResult("free_disk", True, "no storage plan given: free disk not checked", {"skipped": True})
     planned = int(ctx.plan["total"]["bytes_expected"])
     margin = ctx.settings.free_disk_margin
-    in_store = stored_sample_bytes(Path(ctx.path) / STORE_DIR)
+    storage = ctx.plan.get("storage")
+    in_store = stored_sample_bytes(Path(ctx.path) / STORE_DIR, storage)
     needed = math.ceil(max(0, planned - in_store) * (1 + margin))
     measured = nearest_existing(ctx.path)
     free = shutil.disk_usage(measured).free
@@ -120,13 +129,14 @@ def check_free_disk(ctx: PreflightContext) -> CheckResult:
         "measured_at": str(measured),
         "planned_bytes": planned,
         "store_bytes": in_store,
+        "storage": storage,
         "margin": margin,
         "needed_bytes": needed,
         "free_bytes": free,
     }
     summary = (
         f"need {format_bytes(needed)} (planned {format_bytes(planned)} - {format_bytes(in_store)} already in "
-        f"the store, + {margin:.0%} margin), {format_bytes(free)} free at {measured}"
+        f"the store{f' as {storage}' if storage else ''}, + {margin:.0%} margin), {format_bytes(free)} free at {measured}"
     )
     if free >= needed:
         return CheckResult("free_disk", True, summary, details)

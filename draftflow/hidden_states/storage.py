@@ -19,6 +19,11 @@ Three pieces (DESIGN.md §4):
   compressible; the low mantissa bytes are nearly random, so each plane is
   compressed on its own with zstd and kept raw when zstd does not shrink it.
 
+* **fp8 sample files** (`extract.storage: fp8`, format version 2): the hidden tensor is
+  stored as float8_e4m3fn with a power-of-two scale per row (token × state), about 0.39
+  of raw bf16 on disk instead of 0.70; see `quantize_fp8`. Same container, checksums and
+  store; `decode_sample` returns the capture dtype either way.
+
 * **The store** (`SampleStore`): `root/ab/cd/<key>.dfhs`, keyed by
   `sample_key(settings_digest, input_ids)`, so a sample is reused whenever the
   capture settings and tokens are unchanged, whatever range it falls in. Files are
@@ -35,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import socket
 import struct
@@ -55,7 +61,9 @@ from draftflow.errors import DraftflowError
 from draftflow.jsonl import atomic_path, fsync_dir
 
 MAGIC = b"DFHS"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # lossless sample files
+FP8_FORMAT_VERSION = 2  # fp8 sample files (older draftflow refuses them instead of misreading them)
+STORAGE_MODES = ("lossless", "fp8")  # extract.storage
 INDEX_FORMAT_VERSION = 1
 SUFFIX = ".dfhs"
 INDEX_NAME = "index.json"
@@ -121,6 +129,7 @@ class Sample:
     input_ids: np.ndarray  # [T] int64
     loss_mask: np.ndarray  # [T] uint8
     hidden: torch.Tensor  # [T, L, H], dtype as stored
+    fp8: Fp8Hidden | None = None  # fp8 files: the stored codes and scales `hidden` decodes from
 
     @property
     def aux(self) -> torch.Tensor:
@@ -144,10 +153,14 @@ class SampleHeader:
     raw_checksum: str  # of input_ids, loss_mask and hidden bytes, uncompressed
     sections: tuple[dict, ...]  # {"name", "codec": "zstd"|"raw", "nbytes", "raw_nbytes"}
     data_offset: int  # where the first section starts
+    storage: str = "lossless"  # lossless | fp8
     payload_checksum: str | None = None  # of the stored section bytes (files written before it: None)
 
     @property
     def raw_nbytes(self) -> int:
+        """Bytes of the sample as the reader returns it: input_ids + loss_mask + hidden in `dtype`."""
+        if self.storage == "fp8":  # its sections hold 1 byte per value: count what it decodes to
+            return 9 * self.length + math.prod(self.shape) * DTYPES[self.dtype].itemsize
         return sum(s["raw_nbytes"] for s in self.sections)
 
     @property
@@ -235,15 +248,24 @@ def byte_planes(hidden: torch.Tensor) -> list[np.ndarray]:
 Buffer = bytes | bytearray | memoryview  # one piece of a sample file
 
 
-def encode_sample_parts(input_ids, loss_mask, hidden: torch.Tensor, level: int = 1) -> list[Buffer]:
-    """Serialize one sample (lossless) as a list of buffers: preamble + header, then sections.
+def encode_sample_parts(
+    input_ids, loss_mask, hidden: torch.Tensor | Fp8Hidden, level: int = 1, storage: str = "lossless"
+) -> list[Buffer]:
+    """Serialize one sample as a list of buffers: preamble + header, then sections.
 
     `b"".join(parts)` is the file (`encode_sample`), but `SampleStore.put` writes the parts
     as they are, with os.writev: joining tens of MB of compressed and raw planes would hold
     the GIL for the whole copy (bytes.join keeps it whenever a part is not `bytes`) and cap a
     writer thread pool, whatever its size. Raw sections are views of fresh arrays, never of
     `hidden`, so the caller may reuse hidden's memory as soon as this returns.
+
+    `storage="fp8"` (or an `Fp8Hidden` as `hidden`, already quantized): an fp8 file, see
+    `encode_fp8_parts`.
     """
+    if storage not in STORAGE_MODES:
+        raise ValueError(f"unknown storage {storage!r}; use one of {', '.join(STORAGE_MODES)}")
+    if storage == "fp8" or isinstance(hidden, Fp8Hidden):
+        return encode_fp8_parts(input_ids, loss_mask, hidden, level)
     ids = np.array(input_ids, dtype=np.int64).reshape(-1)  # [T], a copy: raw sections may view it
     mask = np.array(loss_mask, dtype=np.uint8).reshape(-1)  # [T], a copy
     hidden = hidden.detach().to("cpu").contiguous()
@@ -276,12 +298,14 @@ def encode_sample_parts(input_ids, loss_mask, hidden: torch.Tensor, level: int =
     return parts + [data for _, data in sections]
 
 
-def encode_sample(input_ids, loss_mask, hidden: torch.Tensor, level: int = 1) -> bytes:
-    """Serialize one sample (lossless) into one bytes object. hidden: [T, L, H] bf16/fp16/fp32 on any device.
+def encode_sample(
+    input_ids, loss_mask, hidden: torch.Tensor | Fp8Hidden, level: int = 1, storage: str = "lossless"
+) -> bytes:
+    """Serialize one sample into one bytes object. hidden: [T, L, H] bf16/fp16/fp32 on any device.
 
     Writers should prefer `encode_sample_parts` + `SampleStore.put`, which skip this join.
     """
-    return b"".join(encode_sample_parts(input_ids, loss_mask, hidden, level))
+    return b"".join(encode_sample_parts(input_ids, loss_mask, hidden, level, storage))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -303,8 +327,10 @@ def read_header(data: bytes | memoryview, size: int | None = None) -> SampleHead
     magic, version, header_len = _PREAMBLE.unpack_from(data)
     if magic != MAGIC:
         raise ValueError(f"not a draftflow sample file (magic {bytes(magic)!r})")
-    if version != FORMAT_VERSION:
-        raise ValueError(f"sample format version {version} is not supported (this draftflow reads {FORMAT_VERSION})")
+    if version not in (FORMAT_VERSION, FP8_FORMAT_VERSION):
+        raise ValueError(
+            f"sample format version {version} is not supported (this draftflow reads {FORMAT_VERSION} and {FP8_FORMAT_VERSION})"
+        )
     start = _PREAMBLE.size
     if min(size, len(data)) < start + header_len:
         raise ValueError("file truncated inside the header")
@@ -313,13 +339,15 @@ def read_header(data: bytes | memoryview, size: int | None = None) -> SampleHead
         header = SampleHeader(
             length=int(h["T"]), num_layers=int(h["L"]), hidden_size=int(h["H"]), dtype=str(h["dtype"]),
             loss_tokens=int(h["loss_tokens"]), level=int(h["level"]), raw_checksum=str(h["raw_checksum"]),
-            sections=tuple(h["sections"]), data_offset=start + header_len,
+            sections=tuple(h["sections"]), data_offset=start + header_len, storage=str(h.get("storage", "lossless")),
             payload_checksum=h.get("payload_checksum"),
         )  # fmt: skip
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"corrupt sample header: {e}") from None
     if header.dtype not in DTYPES:
         raise ValueError(f"corrupt sample header: unknown dtype {header.dtype!r}")
+    if header.storage != ("fp8" if version == FP8_FORMAT_VERSION else "lossless"):
+        raise ValueError(f"corrupt sample header: storage {header.storage!r} in a version {version} file")
     expected = header.data_offset + sum(s["nbytes"] for s in header.sections)
     if expected != size:
         raise ValueError(f"file size {size} does not match its header ({expected} bytes)")
@@ -409,8 +437,12 @@ def _join_planes(planes: list[np.ndarray]) -> np.ndarray:
     return cols.reshape(-1).view(_INT_VIEW[itemsize][1])
 
 
-def decode_sample(data: bytes, check: bool = False) -> Sample:
-    """Inverse of `encode_sample`. With check=True also verify the raw-payload checksum."""
+def decode_sample(data: bytes, check: bool = False, fp8_codes: bool = False) -> Sample:
+    """Inverse of `encode_sample`. With check=True also verify the raw-payload checksum.
+
+    fp8 files decode to the capture dtype; fp8_codes=True also returns the stored codes and
+    scales (`Sample.fp8`), for checks and exact conversions.
+    """
     view = memoryview(data)
     header = read_header(view)
     T, L, H = header.shape
@@ -420,6 +452,8 @@ def decode_sample(data: bytes, check: bool = False) -> Sample:
         raw[section["name"]] = _unpack(section, view[offset : offset + section["nbytes"]])
         offset += section["nbytes"]
 
+    if header.storage == "fp8":
+        return _decode_fp8(header, raw, check, fp8_codes)
     torch_dtype = DTYPES[header.dtype]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     numel = T * L * H
@@ -430,6 +464,232 @@ def decode_sample(data: bytes, check: bool = False) -> Sample:
         raise ValueError("raw-payload checksum mismatch")
     hidden = torch.from_numpy(as_int).view(torch_dtype).reshape(T, L, H)
     return Sample(input_ids=ids, loss_mask=mask, hidden=hidden)
+
+
+# ---------------------------------------------------------------- fp8 storage
+#
+# A row is one token's vector of one captured state: hidden[t, l] ([H] values). It is stored
+# as float8_e4m3fn codes c (1 byte each) and one scale exponent k (int8): value = c × 2^k.
+#
+# * Power-of-two scales: dividing by 2^k is exact, so the only rounding is the cast to e4m3
+#   (3 mantissa bits: relative error <= 2^-4 in the normal range), and c × 2^k is exactly a
+#   bf16 (or fp32) number: every reader, speculators' `fp8.to(bf16) * scale.to(bf16)`
+#   included, decodes the same bits.
+# * k is the larger of (a) the smallest k that fits the row's max into e4m3 (<= 448) and
+#   (b) the k that puts the row's RMS in [2^-4, 2^-3). (b) spends e4m3's many small
+#   binades on nothing: values under RMS/8 land on e4m3's subnormal grid (absolute step
+#   RMS/64 or finer, far below the ~RMS/4 steps of the largest values), which leaves the
+#   row's relative L2 error at ~2.7% and cuts the stored size by ~5%. Rows with outliers
+#   (max >> RMS) are governed by (a), as with a plain absmax scale.
+# * On disk the codes of state l > 0 carry their sign XOR the sign of state l-1 at the same
+#   token and channel: consecutive residual-stream states mostly agree in sign, so zstd's
+#   entropy coder sees a skewed sign bit (~2% smaller); the transform is undone on read.
+# * An all-zero row has k = 0 and decodes to exact zeros; k is clamped to
+#   [FP8_MIN_EXP, FP8_MAX_EXP] so that c × 2^k is always a finite, normal bf16 number.
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_RMS_EXPONENT = -4  # (b) above: a row's RMS lands in [2^-4, 2^-3) of the e4m3 grid
+FP8_MIN_EXP, FP8_MAX_EXP = -117, 119  # 2^-9 (smallest code) × 2^-117 = 2^-126; 448 × 2^119 < bf16 max
+_FP8_NAN = (0x7F, 0xFF)  # the only non-finite e4m3fn codes (no infinities)
+
+
+@dataclass(frozen=True)
+class Fp8Hidden:
+    """A [T, L, H] hidden tensor as fp8 codes and a power-of-two scale per row (see above)."""
+
+    codes: torch.Tensor  # [T, L, H] uint8: float8_e4m3fn bit patterns
+    exps: torch.Tensor  # [T, L] int8: row (t, l) is codes[t, l] × 2^exps[t, l]
+    dtype: torch.dtype  # what it decodes to: the capture dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.codes.shape)
+
+    def cpu(self) -> Fp8Hidden:
+        return Fp8Hidden(self.codes.cpu(), self.exps.cpu(), self.dtype) if self.codes.is_cuda else self
+
+    def dequantize(self) -> torch.Tensor:
+        """[T, L, H] in `dtype` (on the CPU)."""
+        return dequantize_fp8(self.codes.cpu().numpy(), self.exps.cpu().numpy(), self.dtype)
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """int32 tensor e in [-126, 127] -> float32 2^e, exactly (built from its bit pattern)."""
+    return ((e + 127) << 23).view(torch.float32)
+
+
+def quantize_fp8(hidden: torch.Tensor, check: bool = True) -> Fp8Hidden:
+    """[T, L, H] float on any device -> `Fp8Hidden` on the same device (torch ops only: runs on the GPU).
+
+    check: refuse non-finite values (ValueError); the extraction driver checks them itself
+    (per layer, without a GPU sync) and passes check=False.
+    """
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be [T, L, H], got shape {tuple(hidden.shape)}")
+    if hidden.dtype not in DTYPES.values():
+        raise ValueError(f"unsupported hidden-state dtype {hidden.dtype}; use one of {sorted(DTYPES)}")
+    if check and not bool(torch.isfinite(hidden).all()):
+        bad = (~torch.isfinite(hidden)).nonzero()[0].tolist()
+        raise ValueError(f"hidden[{bad[0]}, {bad[1]}, {bad[2]}] is not finite: NaN/inf cannot be stored as fp8")
+    amax = hidden.abs().amax(dim=-1).float()  # [T, L]
+    mant, exp = torch.frexp(amax)  # amax = mant × 2^exp, mant in [0.5, 1)
+    k_max = (exp - 9 + (mant > FP8_MAX / 512).int()).clamp_(FP8_MIN_EXP, FP8_MAX_EXP)  # least k: amax / 2^k <= 448
+    scaled = hidden.float() * _pow2(-k_max)[..., None]  # exact; max |.| <= 448 (unless k hit FP8_MAX_EXP)
+    # The RMS of the scaled row, not of the row: its squares neither underflow nor overflow fp32.
+    rms = torch.linalg.vector_norm(scaled, dim=-1) / math.sqrt(hidden.shape[-1])  # [T, L]
+    shift = (torch.frexp(rms)[1] - 1 - FP8_RMS_EXPONENT).clamp_(min=0)  # floor(log2 rms) - target, <= 12
+    k = torch.minimum(k_max + shift, torch.full_like(k_max, FP8_MAX_EXP))
+    k = torch.where(amax > 0, k, torch.zeros_like(k))  # all-zero rows: scale 1, codes 0
+    scaled.mul_(_pow2(k_max - k)[..., None]).clamp_(-FP8_MAX, FP8_MAX)  # tiny values may underflow: they round to 0
+    codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+    return Fp8Hidden(codes, k.to(torch.int8), hidden.dtype)
+
+
+def _fp8_values() -> torch.Tensor:
+    """[256] float32: the value of every e4m3fn code (NaN for 0x7F, 0xFF)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def dequantize_fp8(codes: np.ndarray, exps: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """codes [T, L, H] uint8 and exps [T, L] int8 -> [T, L, H] `dtype` (CPU), exactly codes × 2^exps.
+
+    bf16 / fp32: one table lookup per code (its value's bit pattern), then 2^k is added to
+    the exponent field as an integer (exact: the result stays a normal number for k within
+    [FP8_MIN_EXP, FP8_MAX_EXP]), and zero codes get their bits back. Other dtypes, or
+    exponents out of range (a damaged file): a (code, exponent) table, saturating at the
+    dtype's largest finite value.
+    """
+    mantissa_bits = {torch.bfloat16: 7, torch.float32: 23}.get(dtype)
+    int_dtype, np_int = _INT_VIEW[dtype.itemsize]
+    in_range = not exps.size or (exps.min() >= FP8_MIN_EXP and exps.max() <= FP8_MAX_EXP)
+    if mantissa_bits is None or not in_range:
+        distinct = np.unique(exps)  # sorted, usually a handful
+        scales = torch.from_numpy(np.ldexp(1.0, distinct.astype(np.int32)))  # [n] float64, exact
+        values = _fp8_values().double()[None, :] * scales[:, None]  # [n, 256], exact: <= 4 significant bits
+        finite = torch.finfo(dtype).max
+        table = values.clamp(-finite, finite).to(dtype).view(int_dtype).reshape(-1).numpy()
+        index = codes.astype(np.uint16)  # [T, L, H]
+        index |= (np.searchsorted(distinct, exps).astype(np.uint16) << 8)[..., None]
+        return torch.from_numpy(np.take(table, index)).view(dtype)
+    table = _fp8_values().to(dtype).view(int_dtype).numpy()  # [256] bit patterns
+    out = np.take(table, codes)  # [T, L, H]
+    out += (exps.astype(np_int) << mantissa_bits)[..., None]  # × 2^k
+    zero = (codes & 0x7F) == 0  # ±0 must stay ±0
+    if zero.any():
+        where = np.flatnonzero(zero)
+        out.reshape(-1)[where] = np.take(table, codes.reshape(-1)[where])
+    return torch.from_numpy(out).view(dtype)
+
+
+def fp8_sign_chain(codes: np.ndarray) -> np.ndarray:
+    """[T, L, H] codes -> a fresh array whose state l > 0 has its sign XOR state l-1's (on-disk form)."""
+    out = np.empty_like(codes)
+    out[:, :1] = codes[:, :1]
+    np.bitwise_and(codes[:, :-1], 0x80, out=out[:, 1:])
+    np.bitwise_xor(out[:, 1:], codes[:, 1:], out=out[:, 1:])
+    return out
+
+
+def fp8_sign_unchain(chained: np.ndarray) -> np.ndarray:
+    """Inverse of fp8_sign_chain, in place on a writable array: state by state, in order."""
+    for layer in range(1, chained.shape[1]):
+        chained[:, layer] ^= chained[:, layer - 1] & 0x80
+    return chained
+
+
+def fp8_problem(q: Fp8Hidden) -> str | None:
+    """Why stored fp8 data is implausible (NaN codes, scale exponents out of range or
+    inconsistent with their rows), or None. For `verify --decode`."""
+    codes, exps = q.codes.cpu().numpy(), q.exps.cpu().numpy()
+    nan = np.isin(codes, _FP8_NAN)
+    if nan.any():
+        t, layer, h = np.argwhere(nan)[0]
+        return f"NaN fp8 code at [{t}, {layer}, {h}]"
+    if exps.size and (exps.min() < FP8_MIN_EXP or exps.max() > FP8_MAX_EXP):
+        return f"scale exponent {int(exps.min())}..{int(exps.max())} outside [{FP8_MIN_EXP}, {FP8_MAX_EXP}]"
+    top = (codes & 0x7F).max(axis=-1)  # [T, L]: magnitude codes are monotone in the value
+    zero_scaled = (top == 0) & (exps != 0)
+    if zero_scaled.any():
+        t, layer = np.argwhere(zero_scaled)[0]
+        return f"all-zero row [{t}, {layer}] has scale 2^{int(exps[t, layer])}, expected 2^0"
+    floor_code = int(torch.tensor(2.0**FP8_RMS_EXPONENT).to(torch.float8_e4m3fn).view(torch.uint8))
+    too_small = (top > 0) & (top < floor_code) & (exps != FP8_MIN_EXP)
+    if too_small.any():  # the scale was not chosen by quantize_fp8: precision would be lost
+        t, layer = np.argwhere(too_small)[0]
+        return f"row [{t}, {layer}] uses only codes below 2^{FP8_RMS_EXPONENT} at scale 2^{int(exps[t, layer])}"
+    return None
+
+
+def encode_fp8_parts(input_ids, loss_mask, hidden: torch.Tensor | Fp8Hidden, level: int = 1) -> list[Buffer]:
+    """An fp8 sample file (format version 2) as a list of buffers, like `encode_sample_parts`.
+
+    hidden: a float tensor (quantized here; NaN/inf refused) or an `Fp8Hidden` quantized
+    by the caller (the extraction driver does it on the GPU). Sections: input_ids,
+    loss_mask, `hidden.fp8` ([T·L·H] codes, sign-chained) and `hidden.exp` ([T·L] int8).
+    The raw checksum covers ids, mask, the plain codes and the exponents.
+    """
+    q = hidden if isinstance(hidden, Fp8Hidden) else quantize_fp8(hidden.detach())
+    ids = np.array(input_ids, dtype=np.int64).reshape(-1)  # [T], a copy: raw sections may view it
+    mask = np.array(loss_mask, dtype=np.uint8).reshape(-1)  # [T], a copy
+    dtype = _dtype_name(q.dtype)
+    T, L, H = q.shape
+    if ids.shape[0] != T or mask.shape[0] != T or tuple(q.exps.shape) != (T, L):
+        raise ValueError(
+            f"input_ids [{ids.shape[0]}], loss_mask [{mask.shape[0]}], codes {list(q.shape)} and "
+            f"scales {list(q.exps.shape)} do not fit together"
+        )
+    if mask.size and mask.max() > 1:
+        raise ValueError("loss_mask must contain only 0 and 1")
+    codes = q.codes.cpu().contiguous().numpy()  # [T, L, H] uint8 (a view when already on the CPU)
+    exps = np.array(q.exps.cpu().numpy(), dtype=np.int8)  # [T, L], a copy
+    raw_sum = checksum(ids, mask, codes, exps)
+    sections = [
+        _pack("input_ids", ids, level),
+        _pack("loss_mask", mask, level),
+        _pack("hidden.fp8", fp8_sign_chain(codes), level),  # a fresh array: never a view of `hidden`
+        _pack("hidden.exp", exps, level),
+    ]
+    header = {
+        "T": T, "L": L, "H": H, "dtype": dtype, "loss_tokens": int(mask.sum()),
+        "codec": "zstd-fp8", "storage": "fp8", "fp8": "float8_e4m3fn, 2^k per row, sign chained over states",
+        "level": level, "raw_checksum": raw_sum, "sections": [meta for meta, _ in sections],
+        "payload_checksum": checksum(*(data for _, data in sections)),  # as in lossless files: `self_check`
+    }  # fmt: skip
+    header_bytes = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    parts: list[Buffer] = [_PREAMBLE.pack(MAGIC, FP8_FORMAT_VERSION, len(header_bytes)) + header_bytes]
+    return parts + [data for _, data in sections]
+
+
+def storage_of_file(path: Path) -> str | None:
+    """`lossless` or `fp8` from a sample file's first bytes (its format version), None if it is none."""
+    try:
+        with open(path, "rb") as f:
+            preamble = f.read(_PREAMBLE.size)
+    except OSError:
+        return None
+    if len(preamble) < _PREAMBLE.size:
+        return None
+    magic, version, _ = _PREAMBLE.unpack(preamble)
+    if magic != MAGIC:
+        return None
+    return {FORMAT_VERSION: "lossless", FP8_FORMAT_VERSION: "fp8"}.get(version)
+
+
+def _decode_fp8(header: SampleHeader, raw: dict[str, memoryview | bytes], check: bool, keep_codes: bool) -> Sample:
+    T, L, H = header.shape
+    try:
+        chained = np.frombuffer(raw["hidden.fp8"], np.uint8, count=T * L * H).reshape(T, L, H)
+        exps = np.frombuffer(raw["hidden.exp"], np.int8, count=T * L).reshape(T, L).copy()
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"fp8 sections missing or short: {e}") from None
+    codes = fp8_sign_unchain(chained.copy())  # [T, L, H]
+    ids = np.frombuffer(raw["input_ids"], dtype="<i8", count=T).copy()
+    mask = np.frombuffer(raw["loss_mask"], dtype=np.uint8, count=T).copy()
+    if check and not verify_checksum(header.raw_checksum, ids, mask, codes, exps):
+        raise ValueError("raw-payload checksum mismatch")
+    dtype = DTYPES[header.dtype]
+    q = Fp8Hidden(torch.from_numpy(codes), torch.from_numpy(exps), dtype) if keep_codes else None
+    return Sample(input_ids=ids, loss_mask=mask, hidden=dequantize_fp8(codes, exps, dtype), fp8=q)
 
 
 def self_check(data: bytes | memoryview) -> SampleHeader:
@@ -832,11 +1092,17 @@ class HiddenStateReader:
     """
 
     def __init__(
-        self, range_dirs: Sequence[Path], store_root: Path | None = None, check: bool = False, verify: bool = True
+        self,
+        range_dirs: Sequence[Path],
+        store_root: Path | None = None,
+        check: bool = False,
+        verify: bool = True,
+        fp8_codes: bool = False,
     ):
         self.range_dirs = [Path(d) for d in range_dirs]
         self.check = check  # also verify the raw-payload checksum after decoding (a second, costlier hash)
         self.verify = verify  # the file checksum against the index on every read (off: benchmarks only)
+        self.fp8_codes = fp8_codes  # fp8 files: also return their codes (Sample.fp8); training needs only values
         self._stores: list[SampleStore] = []
         range_of: list[int] = []
         self.keys: list[str] = []
@@ -897,7 +1163,7 @@ class HiddenStateReader:
         if self.verify and not verify_checksum(self.checksums[i], data):
             return self._bad(i, "file checksum differs from its index entry (the file is damaged)")
         try:
-            sample = decode_sample(data, check=self.check)
+            sample = decode_sample(data, check=self.check, fp8_codes=self.fp8_codes)
         except ValueError as e:
             return self._bad(i, str(e))
         if sample.input_ids.shape[0] != self.lengths[i]:

@@ -3,7 +3,9 @@
 For each entry of DIR/*/rows_*/index.json (and DIR/rows_*/index.json): the store
 file exists, its size and file checksum match the index, and its header shape
 matches the index (length) and range meta (L, H). With --decode, also decompress
-it, check the raw-payload checksum and that every value is finite.
+it, check the raw-payload checksum and that every value is finite; for fp8 files also
+that the scales are sane (`storage.fp8_problem`: no NaN codes, exponents in range, all-zero
+rows at scale 1, no row squeezed below the scale quantize_fp8 would choose).
 
 --repair recomputes exactly the bad samples, in place: it deletes their store files and
 runs, for each, the one extraction batch that held it (the same records, target, settings
@@ -33,6 +35,7 @@ from draftflow.hidden_states.storage import (
     SampleStore,
     decode_sample,
     find_range_dirs,
+    fp8_problem,
     read_header,
     read_range_index,
     store_root_of,
@@ -107,9 +110,12 @@ def check_file(expect: _Expect, decode: bool) -> str | None:
         return "payload checksum mismatch (damaged before it was indexed)"
     if decode:
         try:
-            sample = decode_sample(data, check=True)
+            sample = decode_sample(data, check=True, fp8_codes=True)
         except ValueError as err:
             return f"does not decode: {err}"
+        problem = fp8_problem(sample.fp8) if sample.fp8 is not None else None
+        if problem is not None:
+            return f"bad fp8 data: {problem}"
         if not bool(torch.isfinite(sample.hidden).all()):
             return "non-finite hidden-state values"
     return None
