@@ -255,13 +255,13 @@ def recount(outputs: list[dict], prompt_set: str, method: str, k: int) -> tuple[
 
 
 def check_against_outputs(report: dict, outputs: list[dict], temperature: float = 0.0) -> int:
-    """Every eagle3 / n-gram row of the per-set table equals a recount from outputs.jsonl, and
-    (greedy) every decoded output equals the greedy reference of the same request."""
+    """Every drafter (eagle3 / dflash) and n-gram row of the per-set table equals a recount from
+    outputs.jsonl, and (greedy) every decoded output equals the greedy reference of the same request."""
     report = {**report, "per_set": [r for r in report["per_set"] if r["temperature"] == temperature]}
     outputs = [o for o in outputs if o["temperature"] == temperature]
     checked = 0
     for row in report["per_set"]:
-        if row["method"] in ("eagle3", "ngram") and row["measured"] == "real":
+        if row["method"] in ("eagle3", "dflash", "ngram") and row["measured"] == "real":
             tau, alpha, steps = recount(outputs, row["prompt_set"], row["method"], row["draft_tokens"])
             assert row["verify_steps"] == steps
             assert row["acceptance_length"] == pytest.approx(tau, abs=1e-12)
