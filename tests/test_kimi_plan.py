@@ -110,6 +110,6 @@ def test_kimi_plan_through_the_slurm_profile(tmp_path):
     evaluate = next(block for block in blocks if block.startswith("evaluate:"))
     evaluate_resources = next(line for line in evaluate.splitlines() if line.strip().startswith("resources:"))
     assert "gpu=8" in evaluate_resources, evaluate_resources
-    assert "--served-drafter" in evaluate and "/export/sglang" in evaluate
+    assert "--served-drafter" in evaluate and "/export/eagle3/sglang" in evaluate, evaluate
     for setting in ('"engine":"sglang"', '"kind":"mtbench"', '"turns":2', '"kind":"humaneval"', '"tensor_parallel":8'):
         assert setting in evaluate, setting

@@ -109,6 +109,9 @@ def default_train_settings(**overrides) -> dict:
 
     repo = Path(__file__).resolve().parent.parent
     settings = dict(load_config(repo / "config" / "config.yaml")["train"])
+    # one EAGLE-3 job's settings, as rules/common.smk:train_settings builds them from the section
+    settings.pop("methods", None)
+    settings.pop("dflash", None)
     settings.update(aux_layer_ids=AUX, draft_vocab_size=DRAFT_VOCAB, batch_tokens=BATCH_TOKENS, num_workers=0,
                     gpus=0, compile=False, save_every_steps=0)  # fmt: skip
     settings.update(overrides)
