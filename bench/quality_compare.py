@@ -96,7 +96,8 @@ class Inputs:
 
         self.results = a.results.resolve()
         config = load_config(a.config)
-        self.train = dict(config["train"])
+        # one EAGLE-3 job's settings, as rules/common.smk:train_settings builds them
+        self.train = {k: v for k, v in config["train"].items() if k not in ("methods", "dflash")}
         self.evaluate = {k: v for k, v in config["evaluate"].items() if k not in ("temperatures",)}
         for item in a.set:
             key, _, value = item.partition("=")
