@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftflow.drafters.eagle3 import MLP, RMSNorm, RotaryEmbedding, _rope_of, apply_rope
+from draftflow.drafters.eagle3 import MLP, RMSNorm, RotaryEmbedding, _rope_of, apply_rope, init_linears_and_norms
 from draftflow.errors import DraftflowError
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -473,11 +473,7 @@ class DFlashDrafter(nn.Module):
         return self.config.block_size
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
+        init_linears_and_norms(self, std)
 
     def compile_pointwise(self) -> None:
         """torch.compile the norms and MLPs in place (as `Eagle3Drafter.compile_pointwise`)."""

@@ -431,6 +431,15 @@ class TTTCache(AttentionCache):
 # ---------------------------------------------------------------- the model
 
 
+def init_linears_and_norms(model: nn.Module, std: float = 0.02) -> None:
+    """A drafter's initialization: linear weights ~ N(0, std), norm weights 1."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
+
+
 class Eagle3Drafter(nn.Module):
     """EAGLE-3 drafter.
 
@@ -471,11 +480,7 @@ class Eagle3Drafter(nn.Module):
         return self.config.num_hidden_layers
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
+        init_linears_and_norms(self, std)
 
     def compile_pointwise(self) -> None:
         """Compile the norms and MLPs in place (torch.compile, dynamic shapes): inductor fuses

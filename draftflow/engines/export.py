@@ -83,20 +83,27 @@ def _text_config(target_config: dict) -> dict:
 def read_drafter(path: Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
     """(config, tensors) of a drafter folder (`train.save_drafter` layout), checked against the
     model's own parameter names and shapes (built on the meta device: no memory)."""
+    return read_checked_drafter(path, Eagle3Config, Eagle3Drafter, "EAGLE-3")
+
+
+def read_checked_drafter(path: Path, config_cls, model_cls, kind: str):
+    """(config, tensors) of a `kind` drafter folder: config.json parsed by `config_cls`,
+    model.safetensors' names and shapes equal to `model_cls(config).export_state_dict()`."""
     from safetensors.torch import load_file
 
     try:
-        cfg = Eagle3Config.from_dict(read_json(path / "config.json"))
+        cfg = config_cls.from_dict(read_json(path / "config.json"))
     except FileNotFoundError:
         raise DraftflowError(f"{path}: no config.json; not a drafter folder") from None
     except (KeyError, ValueError) as e:
-        raise DraftflowError(f"{path / 'config.json'}: not an EAGLE-3 drafter config: {e}") from None
+        article = "an" if kind[0] in "AEIOU" else "a"
+        raise DraftflowError(f"{path / 'config.json'}: not {article} {kind} drafter config: {e}") from None
     try:
         tensors = load_file(str(path / "model.safetensors"))
     except FileNotFoundError:
         raise DraftflowError(f"{path}: no model.safetensors") from None
     with torch.device("meta"):
-        expected = Eagle3Drafter(cfg).export_state_dict()
+        expected = model_cls(cfg).export_state_dict()
     shapes = {k: tuple(v.shape) for k, v in tensors.items()}
     want = {k: tuple(v.shape) for k, v in expected.items()}
     if shapes != want:

@@ -56,24 +56,9 @@ SGLANG_DFLASH_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "deepseek_v2", "deep
 
 def read_dflash(path: Path) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
     """(config, tensors) of a DFlash drafter folder, names and shapes checked against the model."""
-    from safetensors.torch import load_file
+    from draftflow.engines.export import read_checked_drafter
 
-    try:
-        cfg = DFlashConfig.from_dict(read_json(path / "config.json"))
-    except (KeyError, ValueError) as e:
-        raise DraftflowError(f"{path / 'config.json'}: not a DFlash drafter config: {e}") from None
-    try:
-        tensors = load_file(str(path / "model.safetensors"))
-    except FileNotFoundError:
-        raise DraftflowError(f"{path}: no model.safetensors") from None
-    with torch.device("meta"):
-        expected = DFlashDrafter(cfg).export_state_dict()
-    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
-    want = {k: tuple(v.shape) for k, v in expected.items()}
-    if shapes != want:
-        diff = sorted(set(shapes.items()) ^ set(want.items()))
-        raise DraftflowError(f"{path / 'model.safetensors'}: tensors do not match config.json: {diff[:6]}")
-    return cfg, tensors
+    return read_checked_drafter(path, DFlashConfig, DFlashDrafter, "DFlash")
 
 
 def _check_release(engine: str, version: str, first: tuple[int, int, int]) -> None:

@@ -541,6 +541,17 @@ def _check_layers(cfg, settings: EvaluateSettings, drafter_dir: Path) -> None:
         )
 
 
+def prompt_sets_summary(sets: list[PromptSet]) -> dict:
+    """The report's `prompt_sets` (per set) and `prompts` (totals) entries."""
+    return {
+        "prompt_sets": {ps.name: {"kind": ps.kind, "prompts": len(ps.prompts), "requests": ps.requests,
+                                  "skipped_too_long": ps.skipped} for ps in sets},  # fmt: skip
+        "prompts": {"count": sum(len(ps.prompts) for ps in sets),
+                    "from_file": sum(len(ps.prompts) for ps in sets if ps.kind == "lines"),
+                    "from_eval": sum(len(ps.prompts) for ps in sets if ps.kind == "eval")},  # fmt: skip
+    }
+
+
 def load_sets(settings: EvaluateSettings, tokenizer, eval_data: Path | None, max_tokens: int | None) -> list[PromptSet]:
     sets = []
     for spec in specs_from_settings(settings.prompt_sets, settings.prompts_file):
@@ -649,11 +660,7 @@ def run_hf(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, li
         **{k: v for k, v in first.items() if k != "temperature"},
         "temperatures": by_temperature,
         "per_set": rows,
-        "prompt_sets": {ps.name: {"kind": ps.kind, "prompts": len(ps.prompts), "requests": ps.requests,
-                                  "skipped_too_long": ps.skipped} for ps in sets},  # fmt: skip
-        "prompts": {"count": sum(len(ps.prompts) for ps in sets),
-                    "from_file": sum(len(ps.prompts) for ps in sets if ps.kind == "lines"),
-                    "from_eval": sum(len(ps.prompts) for ps in sets if ps.kind == "eval")},  # fmt: skip
+        **prompt_sets_summary(sets),
         "draft_tokens": ks,  # measured (DFlash: also its full block)
         "drafter": str(inputs.drafter),
         "aux_layer_ids": list(cfg.aux_layer_ids),
@@ -785,11 +792,7 @@ def served_report(units, sets: list[PromptSet], settings: EvaluateSettings, inpu
         "greedy": {"generated_tokens": b_gen, "seconds": b_sec, "tokens_per_second": b_gen / b_sec if b_sec else None}
         if base_units else None,
         "per_set": rows,
-        "prompt_sets": {ps.name: {"kind": ps.kind, "prompts": len(ps.prompts), "requests": ps.requests,
-                                  "skipped_too_long": ps.skipped} for ps in sets},  # fmt: skip
-        "prompts": {"count": sum(len(ps.prompts) for ps in sets),
-                    "from_file": sum(len(ps.prompts) for ps in sets if ps.kind == "lines"),
-                    "from_eval": sum(len(ps.prompts) for ps in sets if ps.kind == "eval")},  # fmt: skip
+        **prompt_sets_summary(sets),
         "drafter": str(inputs.served_drafter or settings.server.get("endpoint")),
         "aux_layer_ids": list(settings.aux_layer_ids) if settings.aux_layer_ids else None,
     }
