@@ -20,8 +20,9 @@ Differences that remain (speculators' own, kept unless `--spec-recipe ours-arch`
   - its draft LM head is frozen (rows of the target's head); ours trains it;
   - loss kl_div (same gradient as our soft CE); grad clip 1.0 (ours 0.5); AdamW betas
     (0.9, 0.999) (ours (0.9, 0.95));
-  - it packs samples into rows of `batch_tokens` (ours pads per micro-batch): the same tokens per
-    epoch in fewer, fuller steps; epochs, LR, warmup share and schedule shape are the same;
+  - it packs samples into one row of `batch_tokens` (ours: rows as wide as the longest sample,
+    `drafters.packing`): about the same tokens per step and steps per epoch; epochs, LR, warmup
+    share and schedule shape are the same;
   - its loss mask is the *input* token's (ours: the predicted token's), one position apart;
   - its validation split cannot be empty: the last training sample is held out from it;
   - on CPU it runs with `--hidden-states-dtype float32` (bf16 autocast on CPU is its GPU recipe's

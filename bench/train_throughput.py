@@ -61,7 +61,7 @@ from draftflow.drafters.dflash_loss import ArgmaxHead, DFlashObjective  # noqa: 
 from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
 from draftflow.hidden_states.storage import HiddenStateReader, SampleStore, encode_sample, sample_key, write_range_index  # noqa: E402
 from draftflow.drafters.train import (  # noqa: E402
-    DistEnv, TrainSettings, make_loader, make_optimizer, plan_batches, train_step, use_compile,
+    DistEnv, TrainSettings, make_loader, make_optimizer, plan_micro_batches, train_step, use_compile,
 )  # fmt: skip
 from draftflow.drafters.ttt import TargetHead, TTTObjective  # noqa: E402
 
@@ -226,8 +226,8 @@ def main(argv=None) -> None:
         env = DistEnv(device=device)
 
         reader = HiddenStateReader([range_dir], verify=a.verify_reads != "off")
-        epochs = math.ceil((a.warmup + a.steps) / max(1, len(plan_batches(reader.lengths, a.batch_tokens, 0, 0))))
-        batches = [b for e in range(epochs + 1) for b in plan_batches(reader.lengths, a.batch_tokens, 0, e)]
+        epochs = math.ceil((a.warmup + a.steps) / max(1, len(plan_micro_batches(reader.lengths, s, 0))))
+        batches = [b for e in range(epochs + 1) for b in plan_micro_batches(reader.lengths, s, e)]
         loader = iter(make_loader(reader, batches, s, device, epoch=0))
 
         def sync():

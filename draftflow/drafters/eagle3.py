@@ -397,18 +397,30 @@ class TTTCache(AttentionCache):
     Queries go in chunks of `chunk` rows: a chunk needs the step-0 keys up to its end and
     only its own rows of the later steps, so the masked attention costs ~T²/2 + k·chunk·T
     instead of (k+1)·T² (most of each later step's key block is masked out).
+
+    doc [B, T] (packed rows, `packing`): the step-0 keys a query sees are also only its own
+    sample's; padding (-1) sees padding, so no query row is empty.
     """
 
-    def __init__(self, num_layers: int, chunk: int = 256):
+    def __init__(self, num_layers: int, chunk: int = 256, doc: torch.Tensor | None = None):
         self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.chunk = chunk
+        self.doc = doc
         self._masks: dict[tuple, torch.Tensor] = {}
 
     def _mask(self, start: int, end: int, n: int, device) -> torch.Tensor:
+        """[c, end + (n-1)c], or [B, 1, c, end + (n-1)c] with docs (n = 1: step 0's own causal mask)."""
         key = (start, end, n, device)
         if key not in self._masks:
-            self._masks[key] = ttt_chunk_mask(start, end, n, device)
+            mask = ttt_chunk_mask(start, end, n, device)
+            if self.doc is not None:
+                doc = self.doc.to(device)
+                same = doc[:, start:end, None] == doc[:, None, :end]  # [B, c, end]
+                mask = mask.expand(doc.shape[0], *mask.shape).clone()
+                mask[:, :, :end] &= same
+                mask = mask[:, None]
+            self._masks[key] = mask
         return self._masks[key]
 
     def attend(self, layer, q, k, v):
@@ -417,7 +429,9 @@ class TTTCache(AttentionCache):
         vs.append(v)
         n, T = len(ks), q.shape[2]
         if n == 1:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            if self.doc is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(0, T, 1, q.device))
         outs = []
         for start in range(0, T, self.chunk):
             end = min(T, start + self.chunk)

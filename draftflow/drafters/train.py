@@ -4,8 +4,9 @@ DFlash (`draftflow.drafters.dflash`), chosen by the settings' `method`.
 Runs as a plain process (one CPU or GPU) or under torchrun (DDP; FSDP optional), gloo on CPU.
 
 Data: samples are read by `storage.HiddenStateReader` in DataLoader workers. Micro-batches
-are packed to `batch_tokens` (padded size = samples × longest) from the index lengths only,
-deterministically per (seed, epoch). One optimizer step consumes world_size × grad_accum
+of about `batch_tokens` tokens are planned from the index lengths only, deterministically per
+(seed, epoch): EAGLE-3 packs shuffled samples into rows (`packing`), DFlash pads one sample per
+row (samples sorted by length within windows, so padding stays small). One optimizer step consumes world_size × grad_accum
 micro-batches; rank r takes its `grad_accum` of them, so the global batch does not depend on
 how it is spread over processes, and the loss is normalized by the global loss-token count
 (one tiny all-reduce per step) so that DDP equals single-process training on that batch.
@@ -52,6 +53,7 @@ from draftflow.drafters.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
 from draftflow.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashSettings, loss_decay
 from draftflow.drafters.eagle3 import VARIANT_FLAGS, Eagle3Config, Eagle3Drafter
 from draftflow.drafters.losses import LOSSES
+from draftflow.drafters.packing import Rows, plan_packed
 from draftflow.errors import DraftflowError, reject_unknown_keys, where
 from draftflow.jsonl import atomic_path, file_mode, fsync_dir, read_json, write_json
 from draftflow.progress import Progress as ProgressLog
@@ -173,7 +175,8 @@ class TrainSettings:
 
 @dataclass
 class Batch:
-    """A padded micro-batch (right padding; padded rows have loss_mask 0)."""
+    """A micro-batch of B rows (right padding: padding has loss_mask 0). EAGLE-3 packs several
+    samples into a row (`doc` says which); DFlash has one sample per row."""
 
     input_ids: torch.Tensor  # [B, T] int64
     loss_mask: torch.Tensor  # [B, T] bool
@@ -183,6 +186,7 @@ class Batch:
     tokens: int  # real (unpadded) tokens
     bad: tuple = ()  # storage.BadRead of samples that could not be read (left out of the tensors)
     anchors: torch.Tensor | None = None  # [B, n] int64 DFlash block anchors, -1: padding
+    doc: torch.Tensor | None = None  # [B, T] int64 packed rows: the token's sample within its row, -1: padding
 
     def _tensors(self) -> list[str]:
         return [k for k in _TENSORS if getattr(self, k) is not None]
@@ -196,11 +200,14 @@ class Batch:
         )
 
     def extra(self) -> tuple:
-        """Method-specific arguments of the objective after the normalizer (DFlash: anchors)."""
-        return () if self.anchors is None else (self.anchors,)
+        """Method-specific arguments of the objective after the normalizer (DFlash: anchors;
+        EAGLE-3: the packed rows' sample ids)."""
+        if self.anchors is not None:
+            return (self.anchors,)
+        return () if self.doc is None else (self.doc,)
 
 
-_TENSORS = ("input_ids", "loss_mask", "aux", "final", "step_tokens", "anchors")
+_TENSORS = ("input_ids", "loss_mask", "aux", "final", "step_tokens", "anchors", "doc")
 
 
 @dataclass(frozen=True)
@@ -216,21 +223,30 @@ class AnchorPlan:
 
 def collate(
     reads: list, ttt_steps: int, sample_shape: tuple | None = None,
-    layers: Sequence[int] | None = None, anchors: AnchorPlan | None = None,
+    layers: Sequence[int] | None = None, anchors: AnchorPlan | None = None, rows: Rows | None = None,
 ) -> Batch:  # fmt: skip
-    """storage.Sample (or BadRead) list -> Batch of the samples, padded to the longest; bad reads in `bad`.
+    """storage.Sample (or BadRead) list -> Batch of the samples; bad reads in `bad`.
 
+    rows: positions into `reads` for each batch row: several samples a row are packed one after
+    the other, with `doc` ids (`packing`); None: one sample per row, padded to the longest, no `doc`.
     A micro-batch whose every sample is bad becomes one 1-token row without loss tokens
     (`sample_shape` = (L, H, dtype name)), so every process still runs its step. layers: which
     stored aux layers (indexes into the stored order) the drafter reads, default all; anchors:
-    draw DFlash anchors (then `step_tokens` counts each block row's labels).
+    draw DFlash anchors (then `step_tokens` counts each block row's labels; one sample per row).
     """
     from draftflow.hidden_states.storage import DTYPES, BadRead
 
     bad = tuple(r for r in reads if isinstance(r, BadRead))
-    samples = [r for r in reads if not isinstance(r, BadRead)]
+    packed = rows is not None
+    if rows is None:
+        rows = [[i] for i in range(len(reads))]
+    rows = [[reads[i] for i in row if not isinstance(reads[i], BadRead)] for row in rows]
+    rows = [row for row in rows if row]  # [B][samples of the row]
+    samples = [s for row in rows for s in row]
+    if packed and anchors is not None:
+        raise ValueError("collate: DFlash anchors need one sample per row")
     if samples:
-        B, T = len(samples), max(s.input_ids.shape[0] for s in samples)
+        B, T = len(rows), max(sum(len(s.input_ids) for s in row) for row in rows)
         first = samples[0].hidden  # [T, L, H]
         L, H, dtype = first.shape[1], first.shape[2], first.dtype
     else:
@@ -241,16 +257,23 @@ def collate(
     mask = torch.zeros(B, T, dtype=torch.bool)
     aux = torch.zeros(B, T, len(layers) * H, dtype=dtype)
     final = torch.zeros(B, T, H, dtype=dtype)
-    for b, s in enumerate(samples):
-        n = s.input_ids.shape[0]
-        ids[b, :n] = torch.from_numpy(s.input_ids)
-        mask[b, :n] = torch.from_numpy(s.loss_mask.astype(bool))
-        sample_aux = s.aux if layers == list(range(L - 1)) else s.aux[:, layers]
-        aux[b, :n] = sample_aux.reshape(n, -1)
-        final[b, :n] = s.final
+    doc = torch.full((B, T), -1, dtype=torch.int64)
+    for b, row in enumerate(rows):
+        start = 0
+        for d, s in enumerate(row):
+            n = s.input_ids.shape[0]
+            span = slice(start, start + n)
+            ids[b, span] = torch.from_numpy(s.input_ids)
+            mask[b, span] = torch.from_numpy(s.loss_mask.astype(bool))
+            sample_aux = s.aux if layers == list(range(L - 1)) else s.aux[:, layers]
+            aux[b, span] = sample_aux.reshape(n, -1)
+            final[b, span] = s.final
+            doc[b, span] = d
+            start += n
     tokens = int(sum(s.input_ids.shape[0] for s in samples))
     if anchors is None:
-        return Batch(ids, mask, aux, final, step_token_counts(mask, ttt_steps), tokens, bad)
+        doc = doc if packed else None
+        return Batch(ids, mask, aux, final, step_token_counts(mask, ttt_steps, doc), tokens, bad, doc=doc)
     from draftflow.drafters.dflash_loss import block_label_counts, choose_anchors, pad_anchors
 
     rng = None
@@ -272,8 +295,19 @@ class SampleDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.reader)
 
-    def __getitem__(self, i: int):
-        return self.reader.read(i)
+    def __getitem__(self, key: tuple[int, int]):
+        """(row, sample index) -> (row, Sample or BadRead): the row travels to `collate_rows`."""
+        row, i = key
+        return row, self.reader.read(i)
+
+
+def collate_rows(pairs: list, packed: bool, **kwargs) -> Batch:
+    """DataLoader collate: `SampleDataset` items of one micro-batch -> `collate` with their rows."""
+    reads = [read for _, read in pairs]
+    rows: dict[int, list[int]] = {}
+    for position, (row, _) in enumerate(pairs):
+        rows.setdefault(row, []).append(position)
+    return collate(reads, rows=list(rows.values()) if packed else None, **kwargs)
 
 
 def plan_batches(
@@ -312,14 +346,26 @@ def plan_batches(
 @dataclass
 class EpochPlan:
     epoch: int
-    batches: list[list[int]]  # all micro-batches of the epoch, global order
+    batches: list[Rows]  # all micro-batches of the epoch, global order
     steps: int  # optimizer steps taken in this epoch
 
-    def rank_batches(self, step: int, rank: int, world_size: int, grad_accum: int) -> list[list[int]]:
+    def rank_batches(self, step: int, rank: int, world_size: int, grad_accum: int) -> list[Rows]:
         """This rank's micro-batches of the epoch's `step`-th optimizer step."""
         group = world_size * grad_accum
         start = step * group + rank * grad_accum
         return self.batches[start : start + grad_accum]
+
+
+def plan_micro_batches(lengths: np.ndarray, s: TrainSettings, epoch: int, shuffle: bool = True) -> list[Rows]:
+    """The method's micro-batches, each as its rows of sample indices: EAGLE-3 packs samples into
+    rows (`packing.plan_packed`), DFlash has one sample per row (`plan_batches`)."""
+    if s.method == "dflash":
+        return [[[i] for i in batch] for batch in plan_batches(lengths, s.batch_tokens, s.seed, epoch, shuffle)]
+    return plan_packed(lengths, s.batch_tokens, s.seed, epoch, shuffle)
+
+
+def samples_of(batch: Rows) -> list[int]:
+    return [i for row in batch for i in row]
 
 
 def plan_epochs(lengths: np.ndarray, s: TrainSettings, world_size: int) -> list[EpochPlan]:
@@ -327,7 +373,7 @@ def plan_epochs(lengths: np.ndarray, s: TrainSettings, world_size: int) -> list[
     group = world_size * s.grad_accum
     plans = []
     for e in range(math.ceil(s.epochs)):
-        batches = plan_batches(lengths, s.batch_tokens, s.seed, e)
+        batches = plan_micro_batches(lengths, s, e)
         steps = len(batches) // group
         if steps == 0:
             raise DraftflowError(
@@ -342,7 +388,7 @@ def plan_epochs(lengths: np.ndarray, s: TrainSettings, world_size: int) -> list[
 
 
 def make_loader(
-    reader, batch_lists: list[list[int]], s: TrainSettings, device: torch.device,
+    reader, batch_lists: list[Rows], s: TrainSettings, device: torch.device,
     layers: Sequence[int] | None = None, epoch: int | None = None,
 ):  # fmt: skip
     """DataLoader over fixed micro-batches: worker processes decode, the main process pins.
@@ -354,12 +400,14 @@ def make_loader(
     if s.method == "dflash":
         d = s.dflash_settings
         anchors = AnchorPlan(d.block_size, d.anchors_per_sample, s.seed, epoch)
+    keyed = [[(r, i) for r, row in enumerate(rows) for i in row] for rows in batch_lists]
     return torch.utils.data.DataLoader(
         SampleDataset(reader),
-        batch_sampler=batch_lists,
+        batch_sampler=keyed,
         collate_fn=partial(
-            collate, ttt_steps=s.ttt_steps, sample_shape=reader.sample_shape, layers=layers, anchors=anchors
-        ),
+            collate_rows, packed=s.method == "eagle3", ttt_steps=s.ttt_steps, sample_shape=reader.sample_shape,
+            layers=layers, anchors=anchors,
+        ),  # fmt: skip
         num_workers=workers,
         pin_memory=device.type == "cuda",
         prefetch_factor=4 if workers else None,
@@ -702,7 +750,7 @@ def train_step(
     return stats, grad_norm
 
 
-def shard_eval_batches(batches: list[list[int]], rank: int, world_size: int) -> tuple[list[list[int]], list[bool]]:
+def shard_eval_batches(batches: list[Rows], rank: int, world_size: int) -> tuple[list[Rows], list[bool]]:
     """Round-robin eval batches, padded so every rank runs as many forwards (FSDP gathers
     parameters collectively); padding repeats a batch whose statistics are dropped."""
     if not batches:
@@ -811,6 +859,8 @@ def run_fingerprint(s: TrainSettings, world_size: int, train_ranges, eval_ranges
         "eval": samples_digest(eval_ranges),
         "target": target_identity(target_dir),
     }
+    if s.method == "eagle3":  # the micro-batch plan: older runs padded length-sorted batches
+        description["batching"] = "packed"
     if vocab_path is not None:  # DFlash has none
         description["vocab"] = _sha256_file(Path(vocab_path))
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
@@ -1053,7 +1103,7 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
     plans = plan_epochs(train_reader.lengths, s, env.world_size)
     total_steps = sum(p.steps for p in plans)
     eval_batches, eval_keep = shard_eval_batches(
-        plan_batches(eval_reader.lengths, s.batch_tokens, s.seed, 0, shuffle=False), env.rank, env.world_size
+        plan_micro_batches(eval_reader.lengths, s, 0, shuffle=False), env.rank, env.world_size
     )
 
     drafter.to(env.device)
@@ -1164,7 +1214,7 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
         "best_eval_loss": progress.best_eval_loss if last_eval else None,
         "steps": progress.global_step,
         "train_tokens": sum(
-            int(train_reader.lengths[b].sum())
+            int(train_reader.lengths[samples_of(b)].sum())
             for p in plans
             for b in p.batches[: p.steps * env.world_size * s.grad_accum]
         ),

@@ -40,17 +40,24 @@ def shift_left(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
 
 
 def unroll(
-    drafter: Eagle3Drafter, input_ids: torch.Tensor, aux: torch.Tensor, steps: int, attn_chunk: int = 256
+    drafter: Eagle3Drafter,
+    input_ids: torch.Tensor,
+    aux: torch.Tensor,
+    steps: int,
+    attn_chunk: int = 256,
+    doc: torch.Tensor | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield (logits [B, T, Vd], out hidden [B, T, H]) for TTT steps 0..steps-1.
 
     input_ids [B, T] (right-padded), aux [B, T, n_aux*H] or [B, T, n_aux, H].
     attn_chunk: query rows per attention call (speed only, see `drafter.TTTCache`).
+    doc [B, T]: packed rows' sample ids (attention stays inside a sample), None: one sample a row.
+    Positions run along the row: RoPE attention depends only on position differences inside a sample.
     """
     B, T = input_ids.shape
     positions = torch.arange(T, device=input_ids.device).expand(B, T)
     hidden = drafter.fuse(aux)
-    cache = TTTCache(drafter.num_layers, attn_chunk)
+    cache = TTTCache(drafter.num_layers, attn_chunk, doc)
     for k in range(steps):
         logits, hidden = drafter.forward_hidden(shift_left(input_ids, 1 + k), hidden, positions + k, cache)
         yield logits, hidden
@@ -127,10 +134,10 @@ class TTTObjective(nn.Module):
             drafter.compile_pointwise()
             self.step_terms = torch.compile(self.step_terms, dynamic=True)
 
-    def forward(self, input_ids, loss_mask, aux, target_probs, target_argmax, normalizer=None):
+    def forward(self, input_ids, loss_mask, aux, target_probs, target_argmax, normalizer=None, doc=None):
         result = ttt_loss(
             self.drafter, input_ids, loss_mask, aux, TargetInfo(target_probs, target_argmax),
-            self.steps, self.decay, normalizer, self.step_terms,
+            self.steps, self.decay, normalizer, self.step_terms, doc,
         )  # fmt: skip
         return result.loss, result.stats
 
@@ -141,10 +148,20 @@ class TTTResult:
     stats: torch.Tensor  # [len(STAT_ROWS), steps] float64, detached; sums, so they add across batches
 
 
-def step_token_counts(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
-    """[steps] int64: loss tokens of each TTT step (m_{j+2+k} summed over valid rows)."""
-    m = loss_mask.to(torch.int64)
-    return torch.stack([m[:, 2 + k :].sum() for k in range(steps)])
+def step_weights(mask: torch.Tensor, k: int, doc: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T-2-k] bool: row j's weight at TTT step k, m_{j+2+k}; in packed rows (`doc` [B, T])
+    also j and j+2+k in the same sample (a chain never crosses into the next sample)."""
+    T = mask.shape[1]
+    w = mask[:, 2 + k :]
+    if doc is not None:
+        w = w & (doc[:, 2 + k :] == doc[:, : max(0, T - 2 - k)])
+    return w
+
+
+def step_token_counts(loss_mask: torch.Tensor, steps: int, doc: torch.Tensor | None = None) -> torch.Tensor:
+    """[steps] int64: loss tokens of each TTT step (`step_weights` summed)."""
+    mask = loss_mask.bool()
+    return torch.stack([step_weights(mask, k, doc).sum() for k in range(steps)]).to(torch.int64)
 
 
 def ttt_loss(
@@ -157,22 +174,24 @@ def ttt_loss(
     decay: float = 0.8,
     normalizer: torch.Tensor | None = None,
     terms=step_terms,
+    doc: torch.Tensor | None = None,
 ) -> TTTResult:
     """Unroll `steps` TTT steps and return the loss and per-step statistics.
 
     input_ids, loss_mask [B, T]; aux [B, T, n_aux*H]; target from `TargetHead`.
     normalizer [steps]: loss tokens per step to divide by (pass the global count under
     data parallelism); default: this batch's own counts. terms: `step_terms` or a compiled copy.
+    doc [B, T]: packed rows' sample ids (-1 padding); None: one sample per row.
     """
     B, T = input_ids.shape
     mask = loss_mask.bool()
     if normalizer is None:
-        normalizer = step_token_counts(mask, steps)
+        normalizer = step_token_counts(mask, steps, doc)
     normalizer = normalizer.to(input_ids.device).clamp(min=1)
     chain_ok = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)  # rows with no miss yet
     loss = torch.zeros((), device=input_ids.device)
     stats = []
-    for k, (logits, _) in enumerate(unroll(drafter, input_ids, aux, steps)):
+    for k, (logits, _) in enumerate(unroll(drafter, input_ids, aux, steps, doc=doc)):
         R = T - 1 - k  # rows j with a target z_{j+1+k}
         if R <= 0:
             stats.append(torch.zeros(len(STAT_ROWS), dtype=torch.float64, device=input_ids.device))
@@ -180,7 +199,7 @@ def ttt_loss(
         lg = logits[:, :R]  # [B, R, Vd]
         p = target.probs[:, 1 + k :]  # [B, R, Vd]
         tgt = target.argmax[:, 1 + k :]  # [B, R]
-        w = F.pad(mask[:, 2 + k :], (0, 1))  # [B, R]: m_{j+2+k}
+        w = F.pad(step_weights(mask, k, doc), (0, 1))  # [B, R]: m_{j+2+k}, inside row j's sample
         loss_sum, hit = terms(lg, p, tgt, w)
         loss = loss + decay**k * loss_sum / normalizer[k]
         with torch.no_grad():
