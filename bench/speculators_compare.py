@@ -129,7 +129,7 @@ def fabricate_vocab(vocab_path: Path, shape: dict, seed: int) -> None:
 
 
 def _ours_fabricate():
-    """`fabricate(root, n, T, H, V)` of bench/train_throughput.py: the samples ours trains on."""
+    """`fabricate(root, lengths, H, V)` of bench/train_throughput.py: the samples ours trains on."""
     path = Path(__file__).with_name("train_throughput.py")
     spec = importlib.util.spec_from_file_location("_draftflow_train_throughput", path)
     module = importlib.util.module_from_spec(spec)
@@ -144,7 +144,7 @@ def fabricate_samples(data_dir: Path, n: int, shape: dict) -> str:
     if find_range_dirs(data_dir):
         return "existing"
     data_dir.mkdir(parents=True, exist_ok=True)
-    _ours_fabricate()(data_dir, n, shape["seq_len"], shape["hidden_size"], shape["vocab_size"])
+    _ours_fabricate()(data_dir, [shape["seq_len"]] * n, shape["hidden_size"], shape["vocab_size"])
     return "bench/train_throughput.py:fabricate"
 
 

@@ -35,6 +35,7 @@ forward and input gradient). Tokens/s counts sample tokens (as EAGLE-3's), not b
     python bench/train_throughput.py --method dflash   # the same for DFlash
     python bench/train_throughput.py --tiny [--method dflash]   # any machine, seconds (CPU if no CUDA)
     python bench/train_throughput.py --verify-reads both   # the cost of read-time checksums, side by side
+    python bench/train_throughput.py --lengths mixed --batching padded   # mixed lengths, as before packing
 
 Prints one JSON line.
 """
@@ -61,7 +62,7 @@ from draftflow.drafters.dflash_loss import ArgmaxHead, DFlashObjective  # noqa: 
 from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
 from draftflow.hidden_states.storage import HiddenStateReader, SampleStore, encode_sample, sample_key, write_range_index  # noqa: E402
 from draftflow.drafters.train import (  # noqa: E402
-    DistEnv, TrainSettings, make_loader, make_optimizer, plan_micro_batches, train_step, use_compile,
+    DistEnv, TrainSettings, make_loader, make_optimizer, plan_batches, plan_micro_batches, train_step, use_compile,
 )  # fmt: skip
 from draftflow.drafters.ttt import TargetHead, TTTObjective  # noqa: E402
 
@@ -81,11 +82,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny shapes: a quick check on CPU")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default 2048; tiny 128)")
-    p.add_argument("--batch-tokens", type=int, help="padded tokens per step (default 16384, dflash 8192; tiny 512)")
+    p.add_argument("--batch-tokens", type=int, help="tokens per step (default 16384, dflash 8192; tiny 512)")
     p.add_argument("--samples", type=int, help="samples on disk (default 48; tiny 16)")
     p.add_argument("--steps", type=int, help="timed steps per phase (default 20; tiny 3)")
     p.add_argument("--warmup", type=int, help="untimed steps first (default 3; tiny 1)")
     p.add_argument("--method", choices=["eagle3", "dflash"], default="eagle3")
+    p.add_argument("--lengths", choices=["fixed", "mixed"], default="fixed",
+                   help="fixed: every sample --seq-len tokens; mixed: uniform in [seq-len/8, seq-len]")  # fmt: skip
+    p.add_argument("--batching", choices=["packed", "padded"], default="packed",
+                   help="EAGLE-3: packed rows (training's), or one sample a padded row, length-sorted (before packing)")  # fmt: skip
     p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--dflash-layers", type=int, help="DFlash draft layers (default 5; tiny 2)")
     p.add_argument("--block-size", type=int, help="DFlash block size (default 16; tiny 8)")
@@ -116,11 +121,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def fabricate(root: Path, n: int, T: int, H: int, V: int, L: int = 4) -> tuple[Path, float]:
-    """n samples of T tokens, random bf16 hidden [T, L, H], through the storage API. Returns (range dir, stored/raw)."""
+def sample_lengths(n: int, T: int, mixed: bool) -> list[int]:
+    """n samples of T tokens, or (mixed) uniform in [T/8, T] like conversations cut at max_seq_len."""
+    if not mixed:
+        return [T] * n
+    return np.random.default_rng(0).integers(max(1, T // 8), T + 1, size=n).tolist()
+
+
+def fabricate(root: Path, lengths: list[int], H: int, V: int, L: int = 4) -> tuple[Path, float]:
+    """Samples of these lengths, random bf16 hidden [T, L, H], through the storage API. Returns (range dir, stored/raw)."""
     store = SampleStore(root / "store")
+    n = len(lengths)
 
     def one(i: int):
+        T = lengths[i]
         g = torch.Generator().manual_seed(i)
         ids = torch.randint(0, V, (T,), generator=g).numpy()
         mask = (np.arange(T) >= T // 4).astype(np.uint8)
@@ -198,7 +212,8 @@ def main(argv=None) -> None:
     root = Path(tempfile.mkdtemp(prefix="draftflow-train-bench-", dir=a.data_dir))
     try:
         t0 = time.perf_counter()
-        range_dir, ratio = fabricate(root, a.samples, a.seq_len, H, V, L=len(aux_ids) + 1)
+        lengths = sample_lengths(a.samples, a.seq_len, a.lengths == "mixed")
+        range_dir, ratio = fabricate(root, lengths, H, V, L=len(aux_ids) + 1)
         fabricate_s = time.perf_counter() - t0
 
         if a.method == "dflash":
@@ -226,9 +241,16 @@ def main(argv=None) -> None:
         env = DistEnv(device=device)
 
         reader = HiddenStateReader([range_dir], verify=a.verify_reads != "off")
-        epochs = math.ceil((a.warmup + a.steps) / max(1, len(plan_micro_batches(reader.lengths, s, 0))))
-        batches = [b for e in range(epochs + 1) for b in plan_micro_batches(reader.lengths, s, e)]
-        loader = iter(make_loader(reader, batches, s, device, epoch=0))
+        packed = a.method == "eagle3" and a.batching == "packed"
+
+        def plan(epoch: int):
+            if a.method == "eagle3" and not packed:  # before packing: length-sorted, one sample a padded row
+                return [[[i] for i in b] for b in plan_batches(reader.lengths, s.batch_tokens, s.seed, epoch)]
+            return plan_micro_batches(reader.lengths, s, epoch)
+
+        epochs = math.ceil((a.warmup + a.steps) / max(1, len(plan(0))))
+        batches = [b for e in range(epochs + 1) for b in plan(e)]
+        loader = iter(make_loader(reader, batches, s, device, epoch=0, packed=packed))
 
         def sync():
             if cuda:
@@ -269,7 +291,7 @@ def main(argv=None) -> None:
         if a.verify_reads == "both":
             for verify in (True, False, True, False):
                 phase_reader = HiddenStateReader([range_dir], verify=verify)
-                phase_iter = iter(make_loader(phase_reader, batches, s, device))
+                phase_iter = iter(make_loader(phase_reader, batches, s, device, packed=packed))
                 step(next(phase_iter).to(device))  # untimed: worker start-up
                 t, w, _, _ = end_to_end(phase_iter)
                 verify_phases.setdefault(verify, []).append(t / w)
@@ -294,7 +316,8 @@ def main(argv=None) -> None:
     if a.method == "dflash":
         flops = dflash_flops_per_token(cfg, a.seq_len, a.anchors)
     else:
-        flops = model_flops_per_token(cfg, a.ttt_steps, a.seq_len)
+        # attention grows with the sample: the token-weighted mean length stands for T
+        flops = model_flops_per_token(cfg, a.ttt_steps, sum(n * n for n in lengths) / sum(lengths))
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = a.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
     result = {
@@ -307,7 +330,8 @@ def main(argv=None) -> None:
         **({"draft_layers": a.dflash_layers, "block_size": a.block_size, "anchors_per_sample": a.anchors,
             "target_layer_ids": list(aux_ids), "draft_vocab": V} if a.method == "dflash" else
            {"draft_vocab": a.draft_vocab, "ttt_steps": a.ttt_steps}),
-        "seq_len": a.seq_len, "batch_tokens": a.batch_tokens, "workers": a.workers,
+        "seq_len": a.seq_len, "lengths": a.lengths, "mean_length": round(float(np.mean(lengths)), 1),
+        "batching": "packed" if packed else "padded", "batch_tokens": a.batch_tokens, "workers": a.workers,
         "compile": compiled, "steps": a.steps,
         "tokens_per_s": round(tokens_per_s, 1),
         "tokens_per_s_compute_only": round(resident_tokens / compute_s, 1),

@@ -136,3 +136,28 @@ def test_attention_does_not_leak_from_the_sample_before_in_a_packed_row():
 
     for x, y in zip(logits_of_b(a), logits_of_b(other)):
         torch.testing.assert_close(x, y)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_packed_rows_on_cuda_match_one_sample_a_row_fp32_and_bf16_autocast():
+    """The masked SDPA path on the GPU (step 0 with sample masks instead of is_causal)."""
+    rng = np.random.default_rng(5)
+    samples = [fake_sample(rng, n) for n in (90, 40, 130, 70, 30)]
+    model = tiny_drafter(dtype=torch.float32).cuda()
+    head = torch.randn(96, 32, device="cuda")
+    to_draft = torch.full((96,), -1, dtype=torch.int64, device="cuda")
+    to_draft[model.t2d] = torch.arange(VD, device="cuda")
+
+    def loss_of(batch, autocast: bool):
+        batch = batch.to("cuda")
+        z = batch.final.float() @ head.T
+        info = TargetInfo(torch.softmax(z[..., model.t2d], dim=-1), to_draft[z.argmax(-1)])
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            return ttt_loss(model, batch.input_ids, batch.loss_mask, batch.aux, info, 7, 0.8, batch.step_tokens,
+                            doc=batch.doc)  # fmt: skip
+
+    packed, single = collate(samples, 7, rows=[[0, 1], [2], [3, 4]]), collate(samples, 7)
+    for autocast, tol in ((False, 1e-4), (True, 2e-2)):
+        a, b = loss_of(packed, autocast), loss_of(single, autocast)
+        torch.testing.assert_close(a.loss, b.loss, rtol=tol, atol=tol)
+        assert torch.equal(a.stats[1], b.stats[1])  # loss tokens per step

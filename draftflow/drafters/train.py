@@ -389,10 +389,11 @@ def plan_epochs(lengths: np.ndarray, s: TrainSettings, world_size: int) -> list[
 
 def make_loader(
     reader, batch_lists: list[Rows], s: TrainSettings, device: torch.device,
-    layers: Sequence[int] | None = None, epoch: int | None = None,
+    layers: Sequence[int] | None = None, epoch: int | None = None, packed: bool | None = None,
 ):  # fmt: skip
     """DataLoader over fixed micro-batches: worker processes decode, the main process pins.
-    layers: the stored aux layers to read (`reader_layers`); epoch: of training (None: evaluation)."""
+    layers: the stored aux layers to read (`reader_layers`); epoch: of training (None: evaluation);
+    packed: rows of several samples with `doc` ids (default: EAGLE-3 yes, DFlash no)."""
     from functools import partial
 
     workers = s.num_workers
@@ -405,7 +406,7 @@ def make_loader(
         SampleDataset(reader),
         batch_sampler=keyed,
         collate_fn=partial(
-            collate_rows, packed=s.method == "eagle3", ttt_steps=s.ttt_steps, sample_shape=reader.sample_shape,
+            collate_rows, packed=s.method == "eagle3" if packed is None else packed, ttt_steps=s.ttt_steps, sample_shape=reader.sample_shape,
             layers=layers, anchors=anchors,
         ),  # fmt: skip
         num_workers=workers,
