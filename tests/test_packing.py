@@ -84,10 +84,11 @@ def test_a_bad_read_leaves_its_row_and_an_empty_row_goes():
     rng = np.random.default_rng(4)
     bad = BadRead("r", "s1", "k", "p", "store file missing")
     samples = [fake_sample(rng, 4), bad, fake_sample(rng, 2)]
-    batch = collate(samples, ttt_steps=2, rows=[[0, 1], [2]])
-    assert batch.bad == (bad,) and batch.doc.tolist() == [[0] * 4, [0, 0, -1, -1]]
+    batch = collate(samples + [fake_sample(rng, 1)], ttt_steps=2, rows=[[0, 1], [2, 3]])
+    assert batch.bad == (bad,) and batch.doc.tolist() == [[0] * 4, [0, 0, 1, -1]]
     batch = collate([bad, samples[2]], ttt_steps=2, rows=[[0], [1]])
     assert batch.input_ids.shape == (1, 2)
+    assert batch.doc is None  # one sample a row: plain causal attention, no sample masks
 
 
 @pytest.mark.parametrize("layers", [1, 2])

@@ -228,7 +228,8 @@ def collate(
     """storage.Sample (or BadRead) list -> Batch of the samples; bad reads in `bad`.
 
     rows: positions into `reads` for each batch row: several samples a row are packed one after
-    the other, with `doc` ids (`packing`); None: one sample per row, padded to the longest, no `doc`.
+    the other, with `doc` ids (`packing`; None when every row holds one sample); None: one sample
+    per row, padded to the longest.
     A micro-batch whose every sample is bad becomes one 1-token row without loss tokens
     (`sample_shape` = (L, H, dtype name)), so every process still runs its step. layers: which
     stored aux layers (indexes into the stored order) the drafter reads, default all; anchors:
@@ -272,7 +273,8 @@ def collate(
             start += n
     tokens = int(sum(s.input_ids.shape[0] for s in samples))
     if anchors is None:
-        doc = doc if packed else None
+        # rows of one sample each need no sample masks: attention keeps its plain causal kernel
+        doc = doc if packed and any(len(row) > 1 for row in rows) else None
         return Batch(ids, mask, aux, final, step_token_counts(mask, ttt_steps, doc), tokens, bad, doc=doc)
     from draftflow.drafters.dflash_loss import block_label_counts, choose_anchors, pad_anchors
 
