@@ -26,8 +26,10 @@ from draftflow.drafters.train import (
     build_drafter,
     collate,
     load_drafter,
+    make_loader,
     make_optimizer,
     plan_batches,
+    plan_micro_batches,
     run_training,
     save_drafter,
     shard_eval_batches,
@@ -402,3 +404,22 @@ def test_resume_key_is_the_samples_not_the_index_files(world, tmp_path):
     assert again["fingerprint"] == first["fingerprint"]
     assert len(list((tmp_path / "state").glob("run-*"))) == 1
     assert train_rows(tmp_path / "out2") == train_rows(tmp_path / "out")  # resumed at the end: no new step
+
+
+def test_the_loader_packs_eagle3_rows_one_width_wide_and_pads_dflash_one_sample_a_row(world):
+    from draftflow.hidden_states.storage import HiddenStateReader
+
+    reader = HiddenStateReader(world["train"])
+    s = TrainSettings.from_dict(settings(batch_tokens=100))
+    width = int(reader.lengths.max())
+    plan = plan_micro_batches(reader.lengths, s, 0)
+    batches = list(make_loader(reader, plan, s, torch.device("cpu"), epoch=0))
+    assert len(batches) == len(plan)
+    for rows, batch in zip(plan, batches):
+        assert batch.input_ids.shape == (len(rows), width)  # one shape for every packed step
+        assert batch.tokens == int(reader.lengths[[i for row in rows for i in row]].sum())
+        if any(len(row) > 1 for row in rows):
+            assert batch.doc.max().item() >= 1
+    assert any(b.doc is not None for b in batches)
+    padded = next(iter(make_loader(reader, [[[0], [1]]], s, torch.device("cpu"), packed=False)))
+    assert padded.doc is None and padded.input_ids.shape == (2, int(reader.lengths[:2].max()))

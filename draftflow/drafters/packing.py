@@ -42,13 +42,18 @@ def best_fit_decreasing(indices: list[int], lengths: np.ndarray, width: int) -> 
     return rows
 
 
+def row_width(lengths: np.ndarray, batch_tokens: int) -> int:
+    """Tokens per packed row: the longest sample, or batch_tokens if less."""
+    return min(int(np.max(lengths)), batch_tokens) if len(lengths) else 1
+
+
 def plan_packed(lengths: np.ndarray, batch_tokens: int, seed: int, epoch: int, shuffle: bool = True) -> list[Rows]:
     """Every micro-batch's rows (module docstring). Deterministic in (lengths, batch_tokens, seed,
     epoch); shuffle=False keeps the stored order of samples and rows (evaluation)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if len(lengths) == 0:
         return []
-    width = min(int(lengths.max()), batch_tokens)  # a longer sample gets a row, and micro-batch, of its own
+    width = row_width(lengths, batch_tokens)  # a longer sample gets a row, and micro-batch, of its own
     per_batch = max(1, batch_tokens // width)
     rng = np.random.default_rng([seed, epoch])
     order = (rng.permutation(len(lengths)) if shuffle else np.arange(len(lengths))).tolist()

@@ -53,7 +53,7 @@ from draftflow.drafters.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
 from draftflow.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashSettings, loss_decay
 from draftflow.drafters.eagle3 import VARIANT_FLAGS, Eagle3Config, Eagle3Drafter
 from draftflow.drafters.losses import LOSSES
-from draftflow.drafters.packing import Rows, plan_packed
+from draftflow.drafters.packing import Rows, plan_packed, row_width
 from draftflow.errors import DraftflowError, reject_unknown_keys, where
 from draftflow.jsonl import atomic_path, file_mode, fsync_dir, read_json, write_json
 from draftflow.progress import Progress as ProgressLog
@@ -224,12 +224,13 @@ class AnchorPlan:
 def collate(
     reads: list, ttt_steps: int, sample_shape: tuple | None = None,
     layers: Sequence[int] | None = None, anchors: AnchorPlan | None = None, rows: Rows | None = None,
+    width: int | None = None,
 ) -> Batch:  # fmt: skip
     """storage.Sample (or BadRead) list -> Batch of the samples; bad reads in `bad`.
 
     rows: positions into `reads` for each batch row: several samples a row are packed one after
     the other, with `doc` ids (`packing`; None when every row holds one sample); None: one sample
-    per row, padded to the longest.
+    per row, padded to the longest. width: pad every row to at least this many tokens.
     A micro-batch whose every sample is bad becomes one 1-token row without loss tokens
     (`sample_shape` = (L, H, dtype name)), so every process still runs its step. layers: which
     stored aux layers (indexes into the stored order) the drafter reads, default all; anchors:
@@ -248,6 +249,7 @@ def collate(
         raise ValueError("collate: DFlash anchors need one sample per row")
     if samples:
         B, T = len(rows), max(sum(len(s.input_ids) for s in row) for row in rows)
+        T = max(T, width or 0)
         first = samples[0].hidden  # [T, L, H]
         L, H, dtype = first.shape[1], first.shape[2], first.dtype
     else:
@@ -303,13 +305,16 @@ class SampleDataset(torch.utils.data.Dataset):
         return row, self.reader.read(i)
 
 
-def collate_rows(pairs: list, packed: bool, **kwargs) -> Batch:
-    """DataLoader collate: `SampleDataset` items of one micro-batch -> `collate` with their rows."""
+def collate_rows(pairs: list, width: int | None, **kwargs) -> Batch:
+    """DataLoader collate: `SampleDataset` items of one micro-batch -> `collate` with their rows
+    (width: packed rows of that many tokens; None: one sample a row)."""
     reads = [read for _, read in pairs]
     rows: dict[int, list[int]] = {}
     for position, (row, _) in enumerate(pairs):
         rows.setdefault(row, []).append(position)
-    return collate(reads, rows=list(rows.values()) if packed else None, **kwargs)
+    if width is None:
+        return collate(reads, **kwargs)
+    return collate(reads, rows=list(rows.values()), width=width, **kwargs)
 
 
 def plan_batches(
@@ -403,12 +408,13 @@ def make_loader(
     if s.method == "dflash":
         d = s.dflash_settings
         anchors = AnchorPlan(d.block_size, d.anchors_per_sample, s.seed, epoch)
+    packed = s.method == "eagle3" if packed is None else packed
     keyed = [[(r, i) for r, row in enumerate(rows) for i in row] for rows in batch_lists]
     return torch.utils.data.DataLoader(
         SampleDataset(reader),
         batch_sampler=keyed,
         collate_fn=partial(
-            collate_rows, packed=s.method == "eagle3" if packed is None else packed, ttt_steps=s.ttt_steps, sample_shape=reader.sample_shape,
+            collate_rows, width=row_width(reader.lengths, s.batch_tokens) if packed else None, ttt_steps=s.ttt_steps, sample_shape=reader.sample_shape,
             layers=layers, anchors=anchors,
         ),  # fmt: skip
         num_workers=workers,
