@@ -10,6 +10,10 @@ A micro-batch is at most `max(1, batch_tokens // width)` rows of `width` tokens,
 longest sample or `batch_tokens` if less (a sample longer than that is a micro-batch of its own). Samples are shuffled (per seed and epoch) and,
 a window of them at a time, packed into rows best-fit decreasing (long samples first, each
 shorter one into the fullest row it still fits); the rows are shuffled and dealt out to micro-batches.
+
+Every packed micro-batch has that one shape (padding after each row's last sample, and empty
+rows in an epoch's last micro-batch): the compiled step never meets a new shape, which would
+recompile it (seconds each) and take new allocator blocks.
 """
 
 from __future__ import annotations
@@ -42,9 +46,11 @@ def best_fit_decreasing(indices: list[int], lengths: np.ndarray, width: int) -> 
     return rows
 
 
-def row_width(lengths: np.ndarray, batch_tokens: int) -> int:
-    """Tokens per packed row: the longest sample, or batch_tokens if less."""
-    return min(int(np.max(lengths)), batch_tokens) if len(lengths) else 1
+def batch_shape(lengths: np.ndarray, batch_tokens: int) -> tuple[int, int]:
+    """(rows, tokens per row) of a packed micro-batch: rows as wide as the longest sample, or
+    batch_tokens if less, and as many as batch_tokens holds (at least one)."""
+    width = min(int(np.max(lengths)), batch_tokens) if len(lengths) else 1
+    return max(1, batch_tokens // width), width
 
 
 def plan_packed(lengths: np.ndarray, batch_tokens: int, seed: int, epoch: int, shuffle: bool = True) -> list[Rows]:
@@ -53,8 +59,7 @@ def plan_packed(lengths: np.ndarray, batch_tokens: int, seed: int, epoch: int, s
     lengths = np.asarray(lengths, dtype=np.int64)
     if len(lengths) == 0:
         return []
-    width = row_width(lengths, batch_tokens)  # a longer sample gets a row, and micro-batch, of its own
-    per_batch = max(1, batch_tokens // width)
+    per_batch, width = batch_shape(lengths, batch_tokens)  # a longer sample: a row, and micro-batch, of its own
     rng = np.random.default_rng([seed, epoch])
     order = (rng.permutation(len(lengths)) if shuffle else np.arange(len(lengths))).tolist()
     rows: Rows = []

@@ -53,7 +53,7 @@ from draftflow.drafters.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
 from draftflow.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashSettings, loss_decay
 from draftflow.drafters.eagle3 import VARIANT_FLAGS, Eagle3Config, Eagle3Drafter
 from draftflow.drafters.losses import LOSSES
-from draftflow.drafters.packing import Rows, plan_packed, row_width
+from draftflow.drafters.packing import Rows, batch_shape, plan_packed
 from draftflow.errors import DraftflowError, reject_unknown_keys, where
 from draftflow.jsonl import atomic_path, file_mode, fsync_dir, read_json, write_json
 from draftflow.progress import Progress as ProgressLog
@@ -224,13 +224,14 @@ class AnchorPlan:
 def collate(
     reads: list, ttt_steps: int, sample_shape: tuple | None = None,
     layers: Sequence[int] | None = None, anchors: AnchorPlan | None = None, rows: Rows | None = None,
-    width: int | None = None,
+    pad_to: tuple[int, int] | None = None,
 ) -> Batch:  # fmt: skip
     """storage.Sample (or BadRead) list -> Batch of the samples; bad reads in `bad`.
 
     rows: positions into `reads` for each batch row: several samples a row are packed one after
     the other, with `doc` ids (`packing`; None when every row holds one sample); None: one sample
-    per row, padded to the longest. width: pad every row to at least this many tokens.
+    per row, padded to the longest. pad_to: (rows, tokens) the batch has at least (empty rows
+    and padding have no loss tokens).
     A micro-batch whose every sample is bad becomes one 1-token row without loss tokens
     (`sample_shape` = (L, H, dtype name)), so every process still runs its step. layers: which
     stored aux layers (indexes into the stored order) the drafter reads, default all; anchors:
@@ -249,12 +250,13 @@ def collate(
         raise ValueError("collate: DFlash anchors need one sample per row")
     if samples:
         B, T = len(rows), max(sum(len(s.input_ids) for s in row) for row in rows)
-        T = max(T, width or 0)
         first = samples[0].hidden  # [T, L, H]
         L, H, dtype = first.shape[1], first.shape[2], first.dtype
     else:
         B, T = 1, 1
         L, H, dtype = sample_shape[0], sample_shape[1], DTYPES[sample_shape[2]]
+    if pad_to is not None:
+        B, T = max(B, pad_to[0]), max(T, pad_to[1])
     layers = list(range(L - 1)) if layers is None else list(layers)
     ids = torch.zeros(B, T, dtype=torch.int64)
     mask = torch.zeros(B, T, dtype=torch.bool)
@@ -305,16 +307,16 @@ class SampleDataset(torch.utils.data.Dataset):
         return row, self.reader.read(i)
 
 
-def collate_rows(pairs: list, width: int | None, **kwargs) -> Batch:
-    """DataLoader collate: `SampleDataset` items of one micro-batch -> `collate` with their rows
-    (width: packed rows of that many tokens; None: one sample a row)."""
+def collate_rows(pairs: list, shape: tuple[int, int] | None, **kwargs) -> Batch:
+    """DataLoader collate: `SampleDataset` items of one micro-batch -> `collate` with their rows.
+    shape: packed, (rows, tokens) of every micro-batch (`packing.batch_shape`); None: one sample a row."""
     reads = [read for _, read in pairs]
     rows: dict[int, list[int]] = {}
     for position, (row, _) in enumerate(pairs):
         rows.setdefault(row, []).append(position)
-    if width is None:
+    if shape is None:
         return collate(reads, **kwargs)
-    return collate(reads, rows=list(rows.values()), width=width, **kwargs)
+    return collate(reads, rows=list(rows.values()), pad_to=shape, **kwargs)
 
 
 def plan_batches(
@@ -414,7 +416,7 @@ def make_loader(
         SampleDataset(reader),
         batch_sampler=keyed,
         collate_fn=partial(
-            collate_rows, width=row_width(reader.lengths, s.batch_tokens) if packed else None, ttt_steps=s.ttt_steps, sample_shape=reader.sample_shape,
+            collate_rows, shape=batch_shape(reader.lengths, s.batch_tokens) if packed else None, ttt_steps=s.ttt_steps, sample_shape=reader.sample_shape,
             layers=layers, anchors=anchors,
         ),  # fmt: skip
         num_workers=workers,
