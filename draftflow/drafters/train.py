@@ -94,6 +94,7 @@ class TrainSettings:
     epochs: float = 1.0
     batch_tokens: int = 8192
     learning_rate: float = 1e-4
+    adam_beta2: float = 0.999
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0
     warmup_ratio: float = 0.02
@@ -710,7 +711,7 @@ def make_optimizer(drafter: Eagle3Drafter, s: TrainSettings, total_steps: int, f
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": s.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # norms
     ]
-    opt = torch.optim.AdamW(groups, lr=s.learning_rate, betas=(0.9, 0.95), fused=fused or None)
+    opt = torch.optim.AdamW(groups, lr=s.learning_rate, betas=(0.9, s.adam_beta2), fused=fused or None)
     warmup = round(s.warmup_ratio * total_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda step: lr_factor(step, total_steps, warmup, s.schedule, s.min_lr_ratio)
