@@ -607,3 +607,19 @@ def test_speculators_import_names_what_is_wrong(saved, recipe_drafter, tmp_path,
     assert cli_main(args) == 1
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_exporting_recipe_norms_names_those_the_sglang_release_would_not_apply(saved, recipe_drafter, tmp_path, caplog):
+    from draftflow.engines.export import sglang_ignored_variants
+
+    cfg = recipe_drafter.config
+    assert sglang_ignored_variants(cfg, "0.5.14") == ["norm_before_fc", "norm_before_residual"]
+    assert sglang_ignored_variants(cfg, "0.5.23") == ["norm_before_residual"]
+    assert sglang_ignored_variants(cfg, "0.9.9") == ["norm_before_fc", "norm_before_residual", "norm_output"]
+    original, _ = load_drafter(saved / "drafter", saved / "target")
+    assert sglang_ignored_variants(original.config, "0.5.14") == []  # the default layout: nothing to say
+    save_drafter(recipe_drafter, tmp_path / "drafter", dtype=torch.float32)
+    (tmp_path / "target").symlink_to(saved / "target")
+    with caplog.at_level("WARNING"):
+        export(tmp_path, "out", dtype="float32")
+    assert "SGLang 0.5.14's LlamaForCausalLMEagle3 does not apply norm_before_fc, norm_before_residual" in caplog.text

@@ -60,6 +60,19 @@ DEFAULT_SGLANG_VERSION = "0.5.14"
 DEFAULT_VLLM_VERSION = "0.25.1"
 
 
+# The speculators-recipe norms each SGLang release's LlamaForCausalLMEagle3 applies (read from its
+# released source: 0.5.14 knows norm_output only; 0.5.23 adds norm_before_fc; neither has
+# norm_before_residual, its first layer's residual is the un-normed hidden state).
+SGLANG_VARIANTS = {"0.5.14": {"norm_output"}, "0.5.23": {"norm_before_fc", "norm_output"}}
+
+
+def sglang_ignored_variants(cfg: Eagle3Config, sglang_version: str) -> list[str]:
+    """The drafter's recipe norms that this SGLang version would not apply (all of them for a
+    version not read here)."""
+    applied = SGLANG_VARIANTS.get(sglang_version, set())
+    return [k for k in VARIANT_FLAGS if getattr(cfg, k) and k not in applied]
+
+
 def engine_aux_ids(engine: str, version: str, target_config: dict, aux_ids: list[int]) -> DraftIds:
     """Our aux ids -> the `eagle_aux_hidden_state_layer_ids` with which `engine` `version` serving
     this target captures exactly them (the inputs of layers ours + 1); the table and its evidence
@@ -375,11 +388,12 @@ def export_drafter(drafter_dir: Path, target: Path, settings: ExportSettings, ou
     sg_ids = engine_aux_ids("sglang", settings.sglang_version, target_config, cfg.aux_layer_ids)
     vl_ids = engine_aux_ids("vllm", settings.vllm_version, target_config, cfg.aux_layer_ids)
     vl_tensors = vllm_tensors(tensors, cfg)
-    flags = [k for k in VARIANT_FLAGS if getattr(cfg, k)]
-    if flags:  # speculators-recipe drafters (import-drafter --from speculators)
-        log.warning("%s: the drafter uses %s; check that SGLang %s applies them (its LlamaForCausalLMEagle3 "
-                    "config.json carries them, the vLLM export's speculators config too)", drafter_dir, flags,
-                    settings.sglang_version)  # fmt: skip
+    ignored = sglang_ignored_variants(cfg, settings.sglang_version)
+    if ignored:
+        log.warning("%s: SGLang %s's LlamaForCausalLMEagle3 does not apply %s (its released source): the "
+                    "sglang/ export would run this drafter without them and accept far fewer drafts; serve "
+                    "it with the vllm/ export (vLLM applies all three) or train with train.norm_* off",
+                    drafter_dir, settings.sglang_version, ", ".join(ignored))  # fmt: skip
     sg = output_dir / "sglang"
     sg.mkdir(parents=True, exist_ok=True)
     _save(sglang_tensors(tensors, cfg), sg / "model.safetensors")
