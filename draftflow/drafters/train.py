@@ -90,7 +90,7 @@ class TrainSettings:
     # speculators' EAGLE-3 recipe norms (drafters.eagle3.VARIANT_FLAGS); all off = SGLang's layout
     norm_before_fc: bool = False
     norm_before_residual: bool = False
-    norm_output: bool = False
+    norm_output: bool = True  # the schema's default (measured: BENCHMARKS.md "norm_output")
     epochs: float = 1.0
     batch_tokens: int = 8192
     learning_rate: float = 1e-4
@@ -124,7 +124,7 @@ class TrainSettings:
         s = cls(**values)
         if s.method == "dflash":
             DFlashSettings.from_dict(s.dflash)  # refuses unknown or invalid keys now, not mid-run
-            eagle_only = [k for k in VARIANT_FLAGS if getattr(s, k)] + (["loss"] if s.loss != "soft_ce" else [])
+            eagle_only = [k for k in (*VARIANT_FLAGS, "loss") if getattr(s, k) != known[k].default]
             if eagle_only:
                 raise DraftflowError(
                     f"train --settings: {', '.join(eagle_only)} apply to EAGLE-3 only; DFlash trains with "
