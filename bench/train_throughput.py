@@ -62,7 +62,7 @@ from draftflow.drafters.dflash_loss import ArgmaxHead, DFlashObjective  # noqa: 
 from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
 from draftflow.hidden_states.storage import HiddenStateReader, SampleStore, encode_sample, sample_key, write_range_index  # noqa: E402
 from draftflow.drafters.train import (  # noqa: E402
-    DistEnv, TrainSettings, make_loader, make_optimizer, plan_batches, plan_micro_batches, train_step, use_compile,
+    DistEnv, TrainSettings, make_loader, make_optimizer, plan_micro_batches, plan_padded, train_step, use_compile,
 )  # fmt: skip
 from draftflow.drafters.ttt import TargetHead, TTTObjective  # noqa: E402
 
@@ -245,7 +245,7 @@ def main(argv=None) -> None:
 
         def plan(epoch: int):
             if a.method == "eagle3" and not packed:  # before packing: length-sorted, one sample a padded row
-                return [[[i] for i in b] for b in plan_batches(reader.lengths, s.batch_tokens, s.seed, epoch)]
+                return plan_padded(reader.lengths, s, epoch)
             return plan_micro_batches(reader.lengths, s, epoch)
 
         epochs = math.ceil((a.warmup + a.steps) / max(1, len(plan(0))))

@@ -3,13 +3,14 @@ loss stay inside each sample (`doc` ids, see `ttt.ttt_loss` and `eagle3.TTTCache
 
 Why packing: padding wastes compute unless a batch holds samples of one length, and batches of
 one length (each step all short or all long samples) trained a markedly worse drafter on the
-embedded default than batches of mixed samples (BENCHMARKS.md, "Packing"). Packed rows carry
-mixed samples and little padding.
+embedded default than batches of mixed samples (BENCHMARKS.md, "The embedded default itself").
+Packed rows carry mixed samples and little padding.
 
 A micro-batch is at most `max(1, batch_tokens // width)` rows of `width` tokens, `width` = the
-longest sample or `batch_tokens` if less (a sample longer than that is a micro-batch of its own). Samples are shuffled (per seed and epoch) and,
-a window of them at a time, packed into rows best-fit decreasing (long samples first, each
-shorter one into the fullest row it still fits); the rows are shuffled and dealt out to micro-batches.
+longest sample or `batch_tokens` if less (a sample longer than that is a micro-batch of its
+own). Samples are shuffled (per seed and epoch) and, a window of them at a time, packed into
+rows best-fit decreasing (long samples first, each shorter one into the fullest row it still
+fits); the rows are shuffled and dealt out to micro-batches.
 
 Every packed micro-batch has that one shape (padding after each row's last sample, and empty
 rows in an epoch's last micro-batch): the compiled step never meets a new shape, which would

@@ -312,11 +312,11 @@ def collate_rows(pairs: list, shape: tuple[int, int] | None, **kwargs) -> Batch:
     """DataLoader collate: `SampleDataset` items of one micro-batch -> `collate` with their rows.
     shape: packed, (rows, tokens) of every micro-batch (`packing.batch_shape`); None: one sample a row."""
     reads = [read for _, read in pairs]
-    rows: dict[int, list[int]] = {}
-    for position, (row, _) in enumerate(pairs):
-        rows.setdefault(row, []).append(position)
     if shape is None:
         return collate(reads, **kwargs)
+    rows: dict[int, list[int]] = {}  # row -> positions in `reads`
+    for position, (row, _) in enumerate(pairs):
+        rows.setdefault(row, []).append(position)
     return collate(reads, rows=list(rows.values()), pad_to=shape, **kwargs)
 
 
@@ -366,15 +366,21 @@ class EpochPlan:
         return self.batches[start : start + grad_accum]
 
 
+def plan_padded(lengths: np.ndarray, s: TrainSettings, epoch: int, shuffle: bool = True) -> list[Rows]:
+    """`plan_batches` as rows: one sample per row (DFlash; EAGLE-3 before packing)."""
+    return [[[i] for i in batch] for batch in plan_batches(lengths, s.batch_tokens, s.seed, epoch, shuffle)]
+
+
 def plan_micro_batches(lengths: np.ndarray, s: TrainSettings, epoch: int, shuffle: bool = True) -> list[Rows]:
     """The method's micro-batches, each as its rows of sample indices: EAGLE-3 packs samples into
-    rows (`packing.plan_packed`), DFlash has one sample per row (`plan_batches`)."""
+    rows (`packing.plan_packed`), DFlash has one sample per row (`plan_padded`)."""
     if s.method == "dflash":
-        return [[[i] for i in batch] for batch in plan_batches(lengths, s.batch_tokens, s.seed, epoch, shuffle)]
+        return plan_padded(lengths, s, epoch, shuffle)
     return plan_packed(lengths, s.batch_tokens, s.seed, epoch, shuffle)
 
 
 def samples_of(batch: Rows) -> list[int]:
+    """A micro-batch's sample indices, row by row."""
     return [i for row in batch for i in row]
 
 
@@ -417,8 +423,8 @@ def make_loader(
         SampleDataset(reader),
         batch_sampler=keyed,
         collate_fn=partial(
-            collate_rows, shape=batch_shape(reader.lengths, s.batch_tokens) if packed else None, ttt_steps=s.ttt_steps, sample_shape=reader.sample_shape,
-            layers=layers, anchors=anchors,
+            collate_rows, shape=batch_shape(reader.lengths, s.batch_tokens) if packed else None,
+            ttt_steps=s.ttt_steps, sample_shape=reader.sample_shape, layers=layers, anchors=anchors,
         ),  # fmt: skip
         num_workers=workers,
         pin_memory=device.type == "cuda",
