@@ -11,7 +11,7 @@ from draftflow.drafters.packing import best_fit_decreasing, plan_packed
 from draftflow.drafters.train import TrainSettings, collate, plan_micro_batches
 from draftflow.drafters.ttt import TargetInfo, step_token_counts, ttt_loss
 from draftflow.hidden_states.storage import Sample
-from tests.test_drafter import VD, tiny_drafter
+from test_drafter import VD, tiny_drafter
 
 
 def test_best_fit_decreasing_fills_the_fullest_row_that_has_room():
