@@ -5,8 +5,8 @@ and default train settings; made once per run) and trains one drafter per (varia
 process. For each it reports the training's own simulated τ (K = ttt_steps, teacher forced on the
 held-out split, greedy) and the simulated τ of `draftflow evaluate` (`evaluation.evaluate.simulate`)
 at temperature 0 and at temperature 1 (expected acceptance of speculative sampling, Σ min(p, q)).
-The default's spread over seeds sets the test's floors (`TAU_FLOOR_T1`, `TAU_FLOOR_T0`); the variants show what a recipe
-change scores on the same data (BENCHMARKS.md "The recipe floor").
+The default's spread over seeds sets the test's floors (`TAU_FLOOR_T1`, `TAU_FLOOR_T0`); the variants
+show what a recipe change scores on the same data (BENCHMARKS.md "The recipe floor").
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/recipe_floor.py --seeds 0 1 2 3 4 5 6 7 8 9 --variants default
     OMP_NUM_THREADS=1 .venv/bin/python bench/recipe_floor.py --seeds 0 1 2 --variants tv lk lk_alpha lr_x0.1 epochs_1
@@ -47,7 +47,7 @@ VARIANTS: dict[str, dict] = {
     "speculators_norms": {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True},
     # the sweep of the defaults before packing (issue 13 item 4), one setting changed at a time from the
     # then default learning_rate 2e-3, cosine schedule, 4 epochs and the test's draft vocab 64 of 96
-    # (run them with --set learning_rate=0.002 --set schedule=cosine to repeat it)
+    # (run them with --set learning_rate=0.002 to repeat it)
     "lr_5e-4": {"learning_rate": 5e-4},
     "lr_1e-3": {"learning_rate": 1e-3},
     "lr_4e-3": {"learning_rate": 4e-3},
