@@ -90,7 +90,7 @@ class TrainSettings:
     # speculators' EAGLE-3 recipe norms (drafters.eagle3.VARIANT_FLAGS); all off = SGLang's layout
     norm_before_fc: bool = False
     norm_before_residual: bool = False
-    norm_output: bool = True  # the schema's default (measured: BENCHMARKS.md "norm_output")
+    norm_output: bool = True  # the schema's default (BENCHMARKS.md "The embedded default itself")
     epochs: float = 1.0
     batch_tokens: int = 8192
     learning_rate: float = 1e-4

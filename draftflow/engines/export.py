@@ -612,7 +612,7 @@ def _speculators_config(path: Path, raw: dict, target_config: dict) -> tuple[dic
         vocab_size=int(layer.get("vocab_size") or target_config.get("vocab_size")),
         draft_vocab_size=int(raw.get("draft_vocab_size") or layer["vocab_size"]),
         num_hidden_layers=1,
-        **{k: bool(raw.get(k, False)) for k in ("norm_before_fc", "norm_before_residual", "norm_output")},
+        **{k: bool(raw.get(k, False)) for k in VARIANT_FLAGS},
     )
     return record, [int(i) for i in ours]
 
