@@ -72,6 +72,18 @@ def thread_env(n: int, env: dict | None = None) -> dict[str, str]:
     return out
 
 
+def vllm_cpu_env(n: int) -> dict[str, str]:
+    """vLLM's CPU build binds its model worker's OpenMP threads to cores itself ("auto": all but
+    one core of the host). Within a job of n threads: the worker on n - 1 of this process's CPUs,
+    one left for its API server and engine core (one thread in all when n is 1)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = list(range(os.cpu_count() or 1))
+    worker = cpus[: max(1, min(n, len(cpus)) - 1)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in worker)}
+
+
 def apply_threads(n: int) -> None:
     """Size every thread pool of this process and its children to `n` (call before stage imports)."""
     os.environ.update(thread_env(n))

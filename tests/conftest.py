@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dataclasses import dataclass
+
 import pytest
 import yaml
 
@@ -67,3 +69,25 @@ def load_default_config() -> dict:
 @pytest.fixture
 def workflow_copy(tmp_path: Path) -> Path:
     return copy_workflow(tmp_path / "wf")
+
+
+@dataclass
+class DefaultRun:
+    """The shrunk embedded default with both drafter methods, run once through `rule all`."""
+
+    workdir: Path
+    config: dict
+    proc: subprocess.CompletedProcess  # the run's Snakemake output
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory) -> DefaultRun:
+    """One run for the tests that read its outputs (the end-to-end checks, the real-vLLM tests);
+    a test that changes anything works on a `clone` of its workdir."""
+    from test_workflow_extract import CONFIG, small_config
+
+    workdir = copy_workflow(tmp_path_factory.mktemp("default-run") / "wf")
+    config = small_config()
+    config["train"]["methods"] = ["eagle3", "dflash"]  # what config/two-methods.yaml adds to the default
+    write_config(workdir, config)
+    return DefaultRun(workdir, config, snakemake(workdir, CONFIG))

@@ -49,8 +49,8 @@ def test_defaults_filled_in_nested_datasets():
         ({"datasets": {"d": {"path": "x"}}, "extract": {"dtype": "int8"}}, "extract.dtype", "int8"),
         ({"datasets": {"bad name": {"path": "x"}}}, "datasets", "bad name"),
         ({}, "<top level>", "'datasets' is a required property"),
-        ({"datasets": {"d": {"path": "x"}}, "train": {"methods": ["eagle3", "dflash"]}, "evaluate": {"engine": "vllm"}},
-         "train.methods", "served evaluation measures EAGLE-3 drafters only"),  # fmt: skip
+        ({"datasets": {"d": {"path": "x"}}, "train": {"methods": ["eagle3", "dflash"]}, "evaluate": {"engine": "sglang"}},
+         "train.methods", "through SGLang measures EAGLE-3 drafters only"),  # fmt: skip
         ({"datasets": {"d": {"path": "x"}}, "train": {"methods": ["dflash"]}, "evaluate": {"temperatures": [0, 1]}},
          "train.methods", "DFlash is evaluated with greedy decoding only"),  # fmt: skip
     ],

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from conftest import REPO, copy_workflow, planned_jobs, snakemake, write_config
+from conftest import REPO, planned_jobs, snakemake
 from draftflow.config import default_aux_layer_ids
 from test_evaluate import check_against_outputs
-from test_workflow_extract import CONFIG, small_config
+from test_workflow_extract import CONFIG
 
 METHODS = ("eagle3", "dflash")
 FIGURES = ("lengths", "storage", "methods", *(f"{m}/{kind}" for m in METHODS for kind in ("training", "acceptance")))
@@ -64,12 +64,9 @@ def assert_greedy_from_generate(target: Path, outputs: list[dict], max_new_token
 
 
 @pytest.mark.slow
-def test_default_workflow_end_to_end(tmp_path):
-    workdir = copy_workflow(tmp_path / "wf")
-    config = small_config()
-    config["train"]["methods"] = list(METHODS)  # what config/two-methods.yaml adds to the default
-    write_config(workdir, config)
-    proc = snakemake(workdir, CONFIG)  # rule all
+def test_default_workflow_end_to_end(default_run):
+    workdir, config, proc = default_run.workdir, default_run.config, default_run.proc  # rule all
+    assert config["train"]["methods"] == list(METHODS)
     results = workdir / "results"
 
     # Hidden states: summary and lengths agree with the merge, from the indexes alone.

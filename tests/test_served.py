@@ -35,7 +35,8 @@ def test_sglang_counts_from_its_meta_info():
     meta = {"spec_verify_ct": 15, "spec_num_correct_drafts": 30, "spec_correct_drafts_histogram": [5, 0, 0, 10],
             "completion_tokens": 46}  # fmt: skip
     c = sglang_request_counts(meta, 3, "test")
-    assert c.tau == 3.0 == (30 + 15) / 15
+    # the one τ: 45 tokens delivered by 15 verify steps (the 46th came from the prefill)
+    assert c.emitted_tokens == 45 and c.tau == 3.0 == (30 + 15) / 15 == c.engine_tau
     assert c.accepted_at == [10, 10, 10] and c.reached == [15, 10, 10]
     assert c.alpha == [10 / 15, 1.0, 1.0]
     assert c.rate_per_position == [10 / 15] * 3
@@ -47,6 +48,9 @@ def test_sglang_counts_from_its_meta_info():
     with pytest.raises(DraftflowError, match="has no spec_verify_ct"):
         sglang_request_counts({"completion_tokens": 12}, 3, "test")
     assert sglang_request_counts({"completion_tokens": 1}, 3, "test").verify_steps == 0
+    # verify steps that delivered more than K + 1 tokens each: the counters mean something else
+    with pytest.raises(DraftflowError, match="outside what K = 3 chain drafting allows"):
+        sglang_request_counts({**meta, "completion_tokens": 100}, 3, "test")
 
 
 def test_sglang_server_info_fields():
@@ -85,12 +89,23 @@ def test_vllm_counts_from_its_prometheus_counters():
     """Per-position counts [10, 7, 2] (engine 0) and [5, 3, 1] (engine 1) are the example in vLLM
     0.25.1's metrics/reader.py; its SpecDecodingProm documents mean acceptance length =
     1 + accepted / drafts and per-position rate = per_pos / drafts."""
-    c = VllmCounters.from_metrics(VLLM_METRICS, "test").since(VllmCounters(0, 0, 0, [0, 0, 0], 0), "test")
+    c = VllmCounters.from_metrics(VLLM_METRICS, "test").since(VllmCounters(0, 0, 0, [0, 0, 0], 0), "test",
+                                                              emitted=46)  # fmt: skip
     assert (c.verify_steps, c.draft_tokens, c.accepted_tokens, c.accepted_at) == (20, 60, 28, [15, 10, 3])
-    assert c.tau == 1 + 28 / 20
+    assert c.engine_tau == 1 + 28 / 20  # vLLM's own mean acceptance length
+    assert c.tau == 46 / 20  # the one τ: the tokens the client received from verify steps
     assert c.rate_per_position == [15 / 20, 10 / 20, 3 / 20]
     assert c.alpha == [15 / 20, 10 / 15, 3 / 10]
-    assert c.tau == pytest.approx(1 + sum(c.rate_per_position))
+    assert c.engine_tau == pytest.approx(1 + sum(c.rate_per_position))
+
+
+def test_vllm_counters_must_move_while_verify_steps_deliver_tokens():
+    """The run-time check that replaces a list of accepted releases: a release whose counters
+    stand still (renamed, or counted elsewhere) is refused, not read as τ = 1."""
+    now = VllmCounters.from_metrics(VLLM_METRICS, "test")
+    with pytest.raises(DraftflowError, match="counters did not move"):
+        now.since(now, "test", emitted=30)
+    assert now.since(now, "test", emitted=0).verify_steps == 0  # nothing decoded past the prefill: fine
 
 
 def test_vllm_counters_that_went_down_or_are_missing_are_refused():
@@ -99,24 +114,26 @@ def test_vllm_counters_that_went_down_or_are_missing_are_refused():
     with pytest.raises(DraftflowError, match="went from 20 down to 15: the server restarted"):
         later.since(now, "test")
     with pytest.raises(DraftflowError, match="counters restarted during the measurement"):
-        now.since(VllmCounters(0, 0, 0, [0, 0, 0], 0), "test", received=120)
+        now.since(VllmCounters(0, 0, 0, [0, 0, 0], 0), "test", received=120, emitted=46)
     no_spec = "\n".join(line for line in VLLM_METRICS.splitlines() if "spec_decode" not in line)
     with pytest.raises(DraftflowError, match="no speculative-decoding counters"):
         VllmCounters.from_metrics(no_spec, "test")
 
 
-def test_unknown_engine_versions_are_refused_naming_the_supported_ones():
+def test_engine_releases_are_measured_with_a_warning_when_their_source_was_not_read(caplog):
     assert check_version("sglang", "0.5.14.post1", "here") == "0.5.14"
     assert check_version("vllm", "0.25.1+cu129", "here") == "0.25.1"
-    with pytest.raises(DraftflowError, match=r"SGLang 0.5.9 is not supported .* SGLang 0.5.14"):
-        check_version("sglang", "0.5.9", "here")
-    with pytest.raises(DraftflowError, match=r"vLLM 0.24.0 is not supported .* vLLM 0.25.1"):
-        check_version("vllm", "0.24.0", "here")
+    assert check_version("vllm", "0.32.0", "here") == "0.32.0" and check_version("vllm", "0.33.0", "h") == "0.33.0"
+    assert not caplog.records
+    assert check_version("vllm", "0.34.1", "here") == "0.34.1"  # a newer release: measured, checked as read
+    assert "vLLM 0.34.1: its counters were not read in its source here" in caplog.text
+    with pytest.raises(DraftflowError, match="reported no release"):
+        check_version("vllm", None, "here")
 
 
 def test_counts_add_up():
-    a, b = SpecCounts(2, 3, 6, 4, [3, 1]), SpecCounts(2, 1, 2, 0, [0, 0])
-    assert (a + b).as_json()["accepted"] == [3, 1] and (a + b).verify_steps == 4
+    a, b = SpecCounts(2, 3, 6, 4, [3, 1], 7), SpecCounts(2, 1, 2, 0, [0, 0], 1)
+    assert (a + b).as_json()["accepted"] == [3, 1] and (a + b).verify_steps == 4 and (a + b).tau == 8 / 4
 
 
 # ---------------------------------------------------------------- the stage against fake servers
@@ -152,7 +169,7 @@ SETS = {"eval": {"kind": "eval"}, "mtbench": {"kind": "mtbench", "path": "QUESTI
 def evaluate(tmp: Path, target: Path, engine: str, server: dict, **overrides) -> int:
     sets = json.loads(json.dumps(overrides.pop("prompt_sets", SETS)).replace("QUESTIONS", str(tmp / "question.jsonl")))
     settings = {"engine": engine, "draft_tokens": [3], "max_prompts": 8, "max_new_tokens": 24,
-                "engine_version": "0.5.14" if engine == "sglang" else "0.25.1", "prompt_sets": sets,
+                "engine_version": "0.5.14" if engine == "sglang" else "0.32.0", "prompt_sets": sets,
                 "server": {"check_gpus": False, "request_timeout_s": 10, **server}, **overrides}  # fmt: skip
     return cli_main([
         "evaluate", "--drafter", str(tmp / "export"), "--target", str(target), "--eval-data", str(tmp / "eval.jsonl"),
@@ -267,13 +284,16 @@ def test_missing_metrics_and_counter_resets_are_refused(inputs, target, capsys):
     assert not (inputs / "eval" / "acceptance.json").exists()
 
 
-def test_a_server_version_without_known_counters_is_refused(inputs, target, capsys):
-    with FakeSGLang(k=3, version="0.5.9", lifetime_s=60) as server:
-        assert evaluate(inputs, target, "sglang", {"endpoint": server.url}) == 1
-        assert server.log == []  # refused before any prompt was sent
-    assert "SGLang 0.5.9 is not supported for evaluation" in capsys.readouterr().err
-    assert evaluate(inputs, target, "sglang", {"endpoint": "http://127.0.0.1:1"}, engine_version="0.5.12") == 1
-    assert "SGLang 0.5.12 is not supported" in capsys.readouterr().err
+def test_a_server_release_whose_counters_stand_still_is_refused(inputs, target, capsys, caplog):
+    """No list of accepted releases: an unlisted one is measured, and refused only when the
+    counters draftflow reads do not move while the drafter's tokens arrive."""
+    with FakeVllm(k=3, version="0.34.0", frozen_metrics=True, lifetime_s=60) as server:
+        assert evaluate(inputs, target, "vllm", {"endpoint": server.url}) == 1
+    assert "counters did not move" in capsys.readouterr().err
+    assert "vLLM 0.34.0: its counters were not read" in caplog.text
+    with FakeVllm(k=3, version="0.34.0", lifetime_s=60) as server:
+        assert evaluate(inputs, target, "vllm", {"endpoint": server.url}, engine_version="0.34.0") == 0
+    assert json.loads((inputs / "eval" / "acceptance.json").read_text())["acceptance_length"] > 1
 
 
 def free_port() -> int:
@@ -292,7 +312,7 @@ def test_launched_servers_one_per_k_plus_baseline_all_stopped(inputs, target, en
     """The stage launches the engine's own command line (here the fake, which takes the same
     arguments), once per K and once without the drafter, and stops each one."""
     port = free_port()
-    launcher = [sys.executable, "-m", "draftflow.engines.fake_engines", engine] + (["serve"] if engine == "vllm" else [])
+    launcher = [sys.executable, "-m", "draftflow.engines.fake_engines", engine]
     server = {"launcher": launcher, "port": port, "startup_timeout_s": 60}
     assert evaluate(inputs, target, engine, server, draft_tokens=[2, 3], prompt_sets={"eval": {"kind": "eval"}}) == 0
     assert port_closed(port)
@@ -312,10 +332,12 @@ def test_a_launch_onto_a_busy_port_is_refused(inputs, target, capsys):
     assert f"127.0.0.1:{other.port} is already in use" in capsys.readouterr().err
 
 
-def test_a_launched_server_of_an_unknown_version_is_refused_and_stopped(inputs, target, capsys):
+def test_a_launched_server_of_another_release_than_the_export_is_refused_and_stopped(inputs, target, capsys):
+    """The drafter's aux ids were written for export.<engine>_version: a launched server of
+    another release could read them differently."""
     port = free_port()
     launcher = [sys.executable, "-m", "draftflow.engines.fake_engines", "sglang"]
     server = {"launcher": launcher, "port": port, "startup_timeout_s": 60, "extra_args": ["--fake-version", "0.5.13"]}
     assert evaluate(inputs, target, "sglang", server) == 1
-    assert "SGLang 0.5.13 is not supported for evaluation" in capsys.readouterr().err
+    assert "runs SGLang 0.5.13, but the drafter was exported for 0.5.14" in capsys.readouterr().err
     assert port_closed(port)

@@ -17,7 +17,7 @@ Faults (constructor arguments or `--fake-*` flags on the command line):
   restart behind the same URL; SGLang: the lifetime average restarts).
 
 `python -m draftflow.engines.fake_engines sglang --model-path M --speculative-algorithm EAGLE3 …`
-and `python -m draftflow.engines.fake_engines vllm serve M --speculative-config '{…}' …` take
+and `python -m draftflow.engines.fake_engines vllm --model M --speculative-config '{…}' …` take
 the real launch commands' arguments, so `evaluate.server.launcher` can point at them.
 """
 
@@ -38,7 +38,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.14"
-VLLM_VERSION = "0.25.1"
+VLLM_VERSION = "0.32.0"
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ class FakeEngineServer:
     model: ScriptedModel = field(default_factory=ScriptedModel)
     die_after: int | None = None
     no_spec_metrics: bool = False
+    frozen_metrics: bool = False  # the counters exist but never move (a release that counts elsewhere)
     reset_after: int | None = None
     latency_s: float = 0.0
     port: int = 0
@@ -237,13 +238,16 @@ class FakeSGLang(FakeEngineServer):
 
 
 class FakeVllm(FakeEngineServer):
-    """vLLM 0.25.1: /health, /version, /v1/models, /v1/completions, /metrics."""
+    """vLLM 0.25.1 to 0.33.0 (the same routes and spec-decode metrics; 0.32.0 also run here, CPU
+    build): /health, /version, /v1/models, /v1/completions, /metrics."""
 
     default_version = VLLM_VERSION
 
     def metrics(self) -> str:
         labels = f'engine="0",model_name="{self.model_name}"'
         c = self.counters
+        if self.frozen_metrics:
+            c = {**c, "steps": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0] * self.k}
         lines = [
             "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
             "# TYPE vllm:generation_tokens_total counter",
@@ -359,10 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     sg.add_argument("--speculative-eagle-topk", type=int, default=None)
     sg.add_argument("--speculative-num-draft-tokens", type=int, default=None)
     _common(sg)
-    vl = sub.add_parser("vllm", help="takes `vllm serve` arguments after `serve`")
-    vl.add_argument("serve", choices=["serve"])
-    vl.add_argument("model")
+    vl = sub.add_parser("vllm", help="takes `python -m vllm.entrypoints.openai.api_server` arguments")
+    vl.add_argument("--model", required=True)
     vl.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    vl.add_argument("--no-enable-prefix-caching", action="store_true")
     vl.add_argument("--speculative-config", default=None)
     vl.add_argument("--served-model-name", default=None)
     _common(vl)

@@ -1,8 +1,10 @@
-"""Acceptance from a served engine's own counters, as each pinned release defines them.
+"""Acceptance from a served engine's own counters.
 
-Names below were read in the released source of the versions in `SUPPORTED` (pip download
-sglang==0.5.14 / vllm==0.25.1); a server reporting another version is refused, because a
-renamed or redefined counter would silently give a wrong τ.
+Names below were read in the released source of the releases in `CHECKED` (pip download
+sglang==0.5.14 / vllm==0.25.1, 0.32.0, 0.33.0) and, for vLLM 0.32.0, against the running CPU
+build. Another release is measured as well: what it must satisfy is checked at run time (the
+counters exist, and they move while a prompt set with drafts is decoded), and a release outside
+`CHECKED` is named in a warning.
 
 SGLang 0.5.14 (`POST /generate` with `input_ids`, `GET /get_server_info`):
 - every finished request's `meta_info` carries `spec_verify_ct` (verify forward passes),
@@ -15,21 +17,30 @@ SGLang 0.5.14 (`POST /generate` with `input_ids`, `GET /get_server_info`):
   and `internal_states[i].avg_spec_accept_length` = lifetime (accepted drafts + verify steps) /
   verify steps, refreshed at the scheduler's decode log interval (so it lags; kept as a check).
 
-vLLM 0.25.1 (`POST /v1/completions`, `GET /metrics`, `GET /version`): Prometheus counters,
-labels `model_name`, `engine` (one series per data-parallel engine):
+vLLM 0.25.1 to 0.33.0 (`POST /v1/completions`, `GET /metrics`, `GET /version`; the
+spec-decode metrics file is byte-identical in 0.32.0 and 0.33.0): Prometheus counters, labels
+`model_name`, `engine` (one series per data-parallel engine):
 - `vllm:spec_decode_num_drafts_total` (verify steps that carried drafts),
   `vllm:spec_decode_num_draft_tokens_total`, `vllm:spec_decode_num_accepted_tokens_total`,
   `vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}` (steps whose draft i,
   0-based, was accepted), `vllm:generation_tokens_total`;
-- mean acceptance length = 1 + accepted / drafts; per-position rate = per_pos[i] / drafts.
+- vLLM's own mean acceptance length is 1 + accepted / drafts; it counts drafts accepted in a
+  request's last step past `max_tokens`, which the client never receives.
 Counters are global: a unit of work is measured as the difference of two scrapes, with no
 other traffic on the server in between.
 
-Both reduce to one `SpecCounts`: verify steps, drafts proposed and accepted, and
-accepted_at[i] = verify steps whose draft i+1 was accepted (chain drafting: drafts 1..i too).
-τ = 1 + accepted / steps (DESIGN.md §3); α_i = accepted_at[i] / accepted_at[i-1], with
-accepted_at[-1] = steps, assumes every step proposed K drafts (true for chain drafting except
-where a request's token budget cut the last step short).
+Both reduce to one `SpecCounts`: verify steps, drafts proposed and accepted, the tokens the
+verify steps delivered, and accepted_at[i] = verify steps whose draft i+1 was accepted (chain
+drafting: drafts 1..i too).
+
+One acceptance length for every engine (hf, sglang, vllm; DESIGN.md §3): τ = tokens the
+verify steps delivered / verify steps, where a request's delivered tokens are its completion
+tokens less the first (the prefill's, which no verify step produced), cut at `max_tokens` and
+EOS as the client received them. The engines' own definitions are kept beside it as raw
+counts (`engine_acceptance_length`): vLLM's 1 + accepted / drafts, SGLang's completion tokens
+per verify step. α_i = accepted_at[i] / accepted_at[i-1], with accepted_at[-1] = steps,
+assumes every step proposed K drafts (true for chain drafting except where a request's token
+budget cut the last step short).
 """
 
 from __future__ import annotations
@@ -43,8 +54,8 @@ from draftflow.errors import DraftflowError
 
 log = logging.getLogger(__name__)
 
-# Releases whose endpoints and counter names were checked in their released source.
-SUPPORTED = {"sglang": ("0.5.14",), "vllm": ("0.25.1",)}
+# Releases whose endpoints and counter names were read in their released source.
+CHECKED = {"sglang": ("0.5.14",), "vllm": ("0.25.1", "0.32.0", "0.33.0")}
 ENGINE_NAMES = {"sglang": "SGLang", "vllm": "vLLM"}
 
 
@@ -57,17 +68,21 @@ def release(version: str) -> str:
 
 
 def check_version(engine: str, version: str | None, where: str) -> str:
-    """The release of a served engine, refused unless its counters are known here."""
-    supported = SUPPORTED[engine]
-    if version is None or release(version) not in supported:
+    """The release of a served engine. One whose counters were not read here is measured all
+    the same (the counters are checked as they are read) and named in a warning."""
+    if version is None or not re.match(r"^v?\d+\.\d+", str(version).strip()):
         raise DraftflowError(
-            f"{where}: {ENGINE_NAMES[engine]} {version or '(version not reported)'} is not supported for "
-            f"evaluation: draftflow reads acceptance counters only from {ENGINE_NAMES[engine]} "
-            f"{', '.join(supported)} (names checked against those releases' source). Serve with a "
-            f"supported release, or check that release's counters and add it to "
-            f"draftflow/evaluation/engine_counters.py SUPPORTED"
+            f"{where}: {ENGINE_NAMES[engine]} reported no release ({version!r}); draftflow needs it to "
+            "place the drafter's aux layer ids. Is this server really " + ENGINE_NAMES[engine] + "?"
         )
-    return release(version)
+    found = release(version)
+    if found not in CHECKED[engine]:
+        log.warning(
+            "%s: %s %s: its counters were not read in its source here (checked: %s); they are checked as "
+            "they are read: present, and moving while drafts are verified", where, ENGINE_NAMES[engine], found,
+            ", ".join(CHECKED[engine]),
+        )  # fmt: skip
+    return found
 
 
 # ---------------------------------------------------------------- the common counts
@@ -80,8 +95,9 @@ class SpecCounts:
     k: int
     verify_steps: int = 0
     draft_tokens: int = 0
-    accepted_tokens: int = 0
+    accepted_tokens: int = 0  # as the engine counts them (vLLM: past max_tokens too)
     accepted_at: list[int] = field(default_factory=list)  # [K]
+    emitted_tokens: int = 0  # tokens the verify steps delivered: completion tokens less each request's first
 
     def __post_init__(self):
         self.accepted_at = list(self.accepted_at) or [0] * self.k
@@ -94,11 +110,35 @@ class SpecCounts:
         return SpecCounts(
             self.k, self.verify_steps + other.verify_steps, self.draft_tokens + other.draft_tokens,
             self.accepted_tokens + other.accepted_tokens, [a + b for a, b in zip(self.accepted_at, other.accepted_at)],
+            self.emitted_tokens + other.emitted_tokens,
         )  # fmt: skip
 
     @property
     def tau(self) -> float:
+        """The one acceptance length (module docstring): delivered tokens per verify step."""
+        return self.emitted_tokens / self.verify_steps if self.verify_steps else 1.0
+
+    @property
+    def engine_tau(self) -> float:
+        """The engine's own count, 1 + accepted drafts / verify steps (vLLM's mean acceptance length)."""
         return 1.0 + self.accepted_tokens / self.verify_steps if self.verify_steps else 1.0
+
+    def check_moved(self, where: str) -> None:
+        """The run-time check of an engine release: verify steps delivered tokens, so the counters
+        must have moved, and within what chain drafting at K allows."""
+        if self.emitted_tokens and not self.verify_steps:
+            raise DraftflowError(
+                f"{where}: {self.emitted_tokens} tokens came from verify steps but the engine's speculative-"
+                "decoding counters did not move: this release does not count them where draftflow reads them, "
+                "so τ cannot be measured from it. Serve with a release listed in "
+                "draftflow/evaluation/engine_counters.py CHECKED, or evaluate with engine hf"
+            )
+        if self.verify_steps and not self.verify_steps <= self.emitted_tokens <= self.verify_steps * (self.k + 1):
+            raise DraftflowError(
+                f"{where}: {self.verify_steps} verify steps delivered {self.emitted_tokens} tokens, outside what "
+                f"K = {self.k} chain drafting allows ([steps, steps x {self.k + 1}]): the counters mean something "
+                "else in this release, or other requests reached the server meanwhile"
+            )
 
     @property
     def reached(self) -> list[int]:
@@ -117,6 +157,7 @@ class SpecCounts:
     def as_json(self) -> dict:
         return {
             "acceptance_length": self.tau,
+            "engine_acceptance_length": self.engine_tau,
             "alpha": self.alpha,
             "acceptance_rate_per_position": self.rate_per_position,
             "draft_acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
@@ -125,6 +166,7 @@ class SpecCounts:
             "verify_steps": self.verify_steps,
             "drafted_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
+            "emitted_tokens": self.emitted_tokens,
         }
 
 
@@ -154,8 +196,12 @@ def sglang_request_counts(meta: dict, k: int, where: str) -> SpecCounts:
             f"{where}: inconsistent counters: histogram {hist} for {steps} verify steps, {correct} accepted "
             f"drafts, K = {k}"
         )
+    if "completion_tokens" not in meta:
+        raise DraftflowError(f"{where}: meta_info lacks completion_tokens; not the SGLang release this was checked against")
     accepted_at = [sum(hist[i + 1 :]) for i in range(k)]
-    return SpecCounts(k, steps, steps * k, correct, accepted_at)
+    counts = SpecCounts(k, steps, steps * k, correct, accepted_at, max(int(meta["completion_tokens"]) - 1, 0))
+    counts.check_moved(where)
+    return counts
 
 
 def sglang_server_k(info: dict) -> tuple[int, int]:
@@ -232,7 +278,7 @@ class VllmCounters:
         if missing or not per_pos:
             raise DraftflowError(
                 f"{where}: no speculative-decoding counters ({', '.join(missing or [VLLM_PER_POS])} missing): "
-                "the server runs without --speculative-config, or is not vLLM 0.25.1"
+                "the server runs without --speculative-config, or this vLLM release names them otherwise"
             )
         if sorted(per_pos) != list(range(len(per_pos))):
             raise DraftflowError(f"{where}: {VLLM_PER_POS} has positions {sorted(per_pos)}, expected 0..K-1")
@@ -243,10 +289,11 @@ class VllmCounters:
     def k(self) -> int:
         return len(self.per_pos)
 
-    def since(self, before: "VllmCounters", where: str, received: int | None = None) -> SpecCounts:
+    def since(self, before: "VllmCounters", where: str, received: int | None = None, emitted: int = 0) -> SpecCounts:
         """Counts between two scrapes; a counter that went down means the server restarted.
         received: tokens the client got meanwhile; fewer generation tokens counted than that
-        means the counters restarted in between (a lower count would be silently wrong)."""
+        means the counters restarted in between (a lower count would be silently wrong).
+        emitted: of those, the tokens verify steps delivered (each request's first excluded)."""
         now, then = asdict(self), asdict(before)
         if received is not None and self.generation_tokens is not None and before.generation_tokens is not None:
             counted = self.generation_tokens - before.generation_tokens
@@ -270,7 +317,9 @@ class VllmCounters:
         counts = SpecCounts(
             self.k, _int(self.drafts - before.drafts), _int(self.draft_tokens - before.draft_tokens),
             _int(self.accepted - before.accepted), [_int(a - b) for a, b in zip(self.per_pos, before.per_pos)],
+            emitted,
         )  # fmt: skip
+        counts.check_moved(where)
         if sum(counts.accepted_at) != counts.accepted_tokens:
             raise DraftflowError(
                 f"{where}: per-position accepted counts {counts.accepted_at} do not add up to the "

@@ -51,6 +51,7 @@ from draftflow.evaluation.prompt_sets import Prompt, PromptSet, load_prompt_set,
 from draftflow.evaluation.state import UnitState, folder_digest, settings_key
 from draftflow.jsonl import atomic_path, write_json, write_jsonl
 from draftflow.progress import Progress
+from draftflow.threads import default_threads
 from draftflow.evaluation.speculative import (
     AcceptanceStats,
     DecodeResult,
@@ -717,11 +718,20 @@ def run_served_engine(inputs: EvaluateInputs, settings: EvaluateSettings) -> tup
 
     from draftflow.evaluation.served import ServedRun, ServerSettings
 
-    if drafter_method_of(inputs.drafter) == "dflash":
-        raise DraftflowError(
-            f"{inputs.drafter}: a DFlash drafter; evaluate.engine {settings.engine} measures EAGLE-3 drafters only. "
-            "Evaluate DFlash with engine hf (its export has SGLang / vLLM launch commands)"
-        )
+    method = drafter_method_of(inputs.drafter)
+    draft_tokens = settings.draft_tokens
+    if method == "dflash":
+        if settings.engine != "vllm":
+            raise DraftflowError(
+                f"{inputs.drafter}: a DFlash drafter; evaluate.engine {settings.engine} measures EAGLE-3 drafters "
+                "only. Evaluate DFlash with engine hf or vllm (its export has the SGLang launch command)"
+            )
+        if any(t != 0 for t in settings.temperatures):
+            raise DraftflowError(
+                f"{inputs.drafter}: a DFlash drafter is evaluated greedily (temperature 0) only; evaluate.temperatures "
+                f"is {list(settings.temperatures)}: set it to [0]"
+            )
+        draft_tokens = (dflash_block_size(inputs.drafter) - 1,)  # served at its full block, as exported
     server = ServerSettings.from_dict(settings.server)
     if not server.endpoint and (inputs.served_drafter is None or not inputs.served_drafter.is_dir()):
         raise DraftflowError(
@@ -740,13 +750,21 @@ def run_served_engine(inputs: EvaluateInputs, settings: EvaluateSettings) -> tup
         "max_new_tokens": settings.max_new_tokens,
     }))  # fmt: skip
     run = ServedRun(settings.engine, server, inputs.target, inputs.served_drafter, settings.trust_remote_code,
-                    str(settings.engine_version), settings.draft_tokens, settings.temperatures, settings.max_new_tokens,
-                    state, (inputs.state_dir or inputs.output_dir) / "logs")  # fmt: skip
+                    str(settings.engine_version), draft_tokens, settings.temperatures, settings.max_new_tokens,
+                    state, (inputs.state_dir or inputs.output_dir) / "logs", method, default_threads())  # fmt: skip
     units = run.run(sets, tokenizer)
-    return served_report(units, sets, settings, inputs), served_outputs(units)
+    return served_report(units, sets, settings, inputs, method), served_outputs(units, method)
 
 
-def served_report(units, sets: list[PromptSet], settings: EvaluateSettings, inputs: EvaluateInputs) -> dict:
+def dflash_block_size(drafter_dir: Path) -> int:
+    from draftflow.jsonl import read_json
+
+    return DFlashConfig.from_dict(read_json(Path(drafter_dir) / "config.json")).block_size
+
+
+def served_report(
+    units, sets: list[PromptSet], settings: EvaluateSettings, inputs: EvaluateInputs, method: str = "eagle3"
+) -> dict:
     """The same report as the HF engine's, from served units (no simulated τ, no n-gram)."""
     from draftflow.evaluation.engine_counters import SpecCounts
 
@@ -762,32 +780,35 @@ def served_report(units, sets: list[PromptSet], settings: EvaluateSettings, inpu
         if u.counts is not None:
             values.update(u.counts.as_json())
             values["speedup"] = tps / base_tps if tps and base_tps else None
-        rows.append(table_row(u.prompt_set, engine, "eagle3" if u.k else "baseline", u.k, u.temperature, **values))
+        rows.append(table_row(u.prompt_set, engine, method if u.k else "baseline", u.k, u.temperature, **values))
     measured = [u for u in units if u.k and u.temperature == t0]
     ks = sorted({u.k for u in measured})
-    eagle3 = {}
+    per_k = {}
     for k in ks:
         mine = [u for u in measured if u.k == k]
         counts = sum((u.counts for u in mine), SpecCounts(k))
         generated, seconds = sum(u.generated_tokens for u in mine), sum(u.seconds for u in mine)
         base = [baseline[(u.prompt_set, t0)] for u in mine if (u.prompt_set, t0) in baseline]
         base_tps = sum(b.generated_tokens for b in base) / sum(b.seconds for b in base) if base else None
-        eagle3[str(k)] = {**counts.as_json(), "draft_tokens": k, "generated_tokens": generated, "seconds": seconds,
-                          "tokens_per_second": generated / seconds if seconds else None,
-                          "speedup": (generated / seconds) / base_tps if seconds and base_tps else None,
-                          "prompts": sum(u.requests for u in mine)}  # fmt: skip
+        per_k[str(k)] = {**counts.as_json(), "draft_tokens": k, "generated_tokens": generated, "seconds": seconds,
+                         "tokens_per_second": generated / seconds if seconds else None,
+                         "speedup": (generated / seconds) / base_tps if seconds and base_tps else None,
+                         "prompts": sum(u.requests for u in mine)}  # fmt: skip
+        if t0 == 0 and len(base) == len(mine):  # greedy: the drafter must not change a single token
+            per_k[str(k)]["matches_greedy"] = sum(_same_tokens(u, baseline[(u.prompt_set, t0)]) for u in mine)
     base_units = [u for u in units if not u.k and u.temperature == t0]
     b_gen, b_sec = sum(u.generated_tokens for u in base_units), sum(u.seconds for u in base_units)
     k_max = str(ks[-1]) if ks else None
     return {
         "engine": engine,
-        "method": "eagle3",
-        "acceptance_length": eagle3[k_max]["acceptance_length"] if k_max else None,
-        "acceptance_length_measured": f"served: {engine} counters, K={k_max}, temperature {t0:g}, "
-        "1 + accepted drafts per verify step, all prompt sets",
+        "method": method,
+        "acceptance_length": per_k[k_max]["acceptance_length"] if k_max else None,
+        "acceptance_length_measured": f"served: {engine} counters, K={k_max}, temperature {t0:g}, tokens per verify "
+        "step (completion tokens less each request's first), all prompt sets; the engine's own count is "
+        "engine_acceptance_length",
         "acceptance_length_simulated": None,
         "simulated": None,
-        "eagle3": eagle3,
+        method: per_k,
         "ngram": {},
         "greedy": {"generated_tokens": b_gen, "seconds": b_sec, "tokens_per_second": b_gen / b_sec if b_sec else None}
         if base_units else None,
@@ -798,8 +819,14 @@ def served_report(units, sets: list[PromptSet], settings: EvaluateSettings, inpu
     }
 
 
-def served_outputs(units) -> list[dict]:
-    return [{"prompt_set": u.prompt_set, "method": "eagle3" if u.k else "baseline", "draft_tokens": u.k,
+def _same_tokens(unit, baseline) -> int:
+    """Requests of `unit` whose tokens equal the baseline server's for the same prompt and turn."""
+    reference = {(o["source"], o["turn"]): o["tokens"] for o in baseline.outputs}
+    return sum(reference.get((o["source"], o["turn"])) == o["tokens"] for o in unit.outputs)
+
+
+def served_outputs(units, method: str = "eagle3") -> list[dict]:
+    return [{"prompt_set": u.prompt_set, "method": method if u.k else "baseline", "draft_tokens": u.k,
              "temperature": u.temperature, **o} for u in units for o in u.outputs]  # fmt: skip
 
 

