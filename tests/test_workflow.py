@@ -63,6 +63,17 @@ def test_two_methods_overlay_plans_each_drafter_once_from_one_pipeline(workflow_
         assert f"results/drafter/{method}" in proc.stdout and f"results/eval/{method}/acceptance.json" in proc.stdout
 
 
+def test_vllm_cpu_overlay_evaluates_the_vllm_export_through_the_vllm_venv(workflow_copy):
+    """config/vllm-cpu.yaml: the evaluate stage launches .venv-vllm's vLLM with the exported
+    drafter (an input of the job), and reads no hidden states (no simulated τ when served)."""
+    proc = snakemake(workflow_copy, "-n", "-p", "--configfile", "config/config.yaml", "config/vllm-cpu.yaml")
+    evaluate = [block for block in proc.stdout.split("\n\n") if "rule evaluate:" in block]
+    assert len(evaluate) == 1, proc.stdout
+    assert "results/export/eagle3/vllm" in evaluate[0] and "results/hidden_states/eval" not in evaluate[0]
+    assert '"engine":"vllm"' in proc.stdout and ".venv-vllm/bin/python" in proc.stdout
+    assert '"engine_version":"0.32.0"' in proc.stdout  # export.vllm_version: the release it runs
+
+
 def test_disabled_dataset_is_not_planned(workflow_copy):
     proc = snakemake(workflow_copy, "-n", "--configfile", "config/examples/kimi-k2.5.yaml")
     assert "A1_deepswekimi" not in proc.stdout
