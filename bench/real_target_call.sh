@@ -41,7 +41,7 @@ for acc in sorted(w.rglob("acceptance.json")):
     r = json.loads(acc.read_text())
     figs[str(acc.relative_to(w))] = {"per_set": [{k: v for k, v in row.items() if k not in ("accepted", "reached")}
                                                  for row in r["per_set"]], "settings": r.get("settings")}
-for ev in sorted(w.rglob("drafter*/eval.json")):
+for ev in sorted(x for x in w.rglob("eval.json") if "drafter" in x.parts):
     r = json.loads(ev.read_text())
     figs[str(ev.relative_to(w))] = {k: r.get(k) for k in ("simulated_acceptance_length", "step_alpha", "train_tokens",
                                                           "steps", "tokens_per_s", "train_seconds", "loss", "peak_gpu_memory_gib")}
