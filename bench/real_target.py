@@ -408,6 +408,13 @@ def write_configs(work: Path, a) -> None:
     }  # fmt: skip
     if a.humaneval is None:
         del base["evaluate"]["prompt_sets"]["humaneval"]
+    for item in getattr(a, "override", None) or []:  # KEY.PATH=JSON
+        key, _, value = item.partition("=")
+        node = base
+        *parents, last = key.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = json.loads(value)
     (work / "config-eagle3.yaml").write_text(yaml.safe_dump(base, sort_keys=False))
     dflash = json.loads(json.dumps(base))
     dflash["train"]["methods"] = ["dflash"]
@@ -543,6 +550,7 @@ def main(argv=None) -> int:
         q.add_argument("--learning-rate", type=float, default=1e-4)
         q.add_argument("--max-prompts", type=int, default=16)
         q.add_argument("--data-path", type=Path, help="a conversations file to train on instead of regenerating")
+        q.add_argument("--override", action="append", default=[], metavar="KEY.PATH=JSON", help="any config key")
     c.add_argument("--work", type=Path, required=True)
     c.add_argument("--tiny", action="store_true")
     c.add_argument("--humaneval", type=Path)

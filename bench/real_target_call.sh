@@ -109,27 +109,36 @@ EOF
     note "main runs and first variants done"
     collect
 elif [ "$mode" = B ]; then
-    cat rtdata/target.tar.* | tar -C "$W" -xf - && cp rtdata/regenerated.jsonl.gz "$W/" && gunzip -f "$W/regenerated.jsonl.gz"
+    # the target of call A (rtdata/target.tar.*), regenerated again through the workflow
+    cat rtdata/target.tar.* | tar -C "$W" -xf - || exit 1
     LR=${LR:-0.0001}
-    python3 bench/real_target.py configs --work "$W" --humaneval "$HE" --max-prompts 16 --epochs 3 ${CONFIG_ARGS:-} \
-        --learning-rate "$LR" --data-path "$W/regenerated.jsonl" || exit 1
-    "${SMK[@]}" "$W/results/hidden_states/data_config.json" "$W/results/vocab/draft_vocab.safetensors" \
-        --configfile "$W/config-eagle3.yaml" > "$W/smk-data.log" 2>&1 || { note "data stages failed"; tail -40 "$W/smk-data.log"; collect; exit 1; }
+    python3 bench/real_target.py configs --work "$W" --humaneval "$HE" --max-prompts 16 --epochs 3 \
+        --learning-rate "$LR" ${CONFIG_ARGS:-} || exit 1
+    timeout $((DEADLINE - 30 - $(elapsed))) "${SMK[@]}" "$W/results/hidden_states/data_config.json" \
+        "$W/results/vocab/draft_vocab.safetensors" --configfile "$W/config-eagle3.yaml" > "$W/smk-data.log" 2>&1 \
+        || { note "data stages failed"; tail -40 "$W/smk-data.log"; collect; exit 1; }
     note "data stages done"
     ln -sfn "$W/target" "$W/results/target"
-    setsid python3 bench/quality_compare.py --results "$W/results" --config "$W/config-eagle3.yaml" --work "$W/qc" \
-        --trainers speculators --device cuda --threads 4 --spec-kernels eager --output "$W/qc.jsonl" \
-        > "$W/qc.log" 2>&1 &
-    q=$!
     setsid "${SMK[@]}" "$W/results/eval/eagle3/acceptance.json" --configfile "$W/config-eagle3.yaml" > "$W/smk-eagle3.log" 2>&1 &
     p1=$!
-    pids=("$q" "$p1")
-    for spec in $VARIANTS; do  # NAME:KEY=VALUE[,KEY=VALUE]
+    sleep 15
+    setsid "${SMK[@]}" --nolock "$W/results/eval/dflash/acceptance.json" --configfile "$W/config-dflash.yaml" > "$W/smk-dflash.log" 2>&1 &
+    p2=$!
+    pids=("$p1" "$p2")
+    for lr in ${SPEC_LRS:-$LR}; do
+        setsid python3 bench/quality_compare.py --results "$W/results" --config "$W/config-eagle3.yaml" --work "$W/qc-$lr" \
+            --trainers speculators --device cuda --threads 3 --spec-kernels eager --set "train.learning_rate=$lr" \
+            --label "lr$lr" --output "$W/qc.jsonl" > "$W/qc-$lr.log" 2>&1 &
+        pids+=("$!")
+    done
+    for spec in ${VARIANTS:-}; do  # NAME:KEY=VALUE[,KEY=VALUE]
         name="${spec%%:*}"
         sets=()
         IFS=, read -ra kv <<< "${spec#*:}"
         for x in "${kv[@]}"; do sets+=(--set "$x"); done
-        pids+=("$(variant "$name" "$W/smk-eagle3.log" --evaluate --threads 3 --set runtime.num_workers=2 "${sets[@]}")")
+        logf="$W/smk-eagle3.log"
+        case "$name" in dflash*) logf="$W/smk-dflash.log" ;; esac
+        pids+=("$(variant "$name" "$logf" --evaluate --threads 2 --set runtime.num_workers=2 "${sets[@]}")")
     done
     wait_all "${pids[@]}"
     note "done"
