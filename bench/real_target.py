@@ -395,8 +395,11 @@ def write_configs(work: Path, a) -> None:
                        "temperature": 1.0, "seed": 0},
         "merge": {"seed": 0, "max_seq_len": 1024, "eval_fraction": 0.05, "min_eval_samples": 8,
                   "samples_per_range": 1024 if not tiny else 32},
+        # gpus_per_job 1: the schema's 0 extracts on the CPU, and the hf evaluation claims a GPU only
+        # when extraction does (rules/common.smk evaluate_gpus): call B of 2026-12-01 ran both on the
+        # CPU (extraction 3.4k tokens/s) and ran out of time
         "extract": {"engine": "hf", "dtype": "bfloat16", "batch_tokens": 65536 if not tiny else 4096,
-                    "writer_threads": 6 if not tiny else 1},
+                    "writer_threads": 6 if not tiny else 1, "gpus_per_job": 0 if tiny else 1},
         "train": {"methods": ["eagle3"], "gpus": 0 if tiny else 1, "draft_vocab_size": 4096 if not tiny else 512,
                   "epochs": a.epochs, "batch_tokens": 16384 if not tiny else 2048, "learning_rate": a.learning_rate,
                   "num_workers": 4 if not tiny else 0, "log_every_steps": 20},
@@ -573,6 +576,7 @@ def main(argv=None) -> int:
     elif a.cmd == "variant":
         variant(a)
     elif a.cmd == "configs":
+        a.work.mkdir(parents=True, exist_ok=True)
         write_configs(a.work.resolve(), a)
     else:
         table(a)

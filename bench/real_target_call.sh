@@ -50,6 +50,9 @@ EOF
     tar -C "$W" -czf "$OUT/results.tgz" --exclude='hidden_states/*/rows_*' --exclude='*/store' --exclude='*/state' \
         --exclude='*.safetensors' --exclude='*/speculators_data' --exclude='*/run' --exclude='target*' \
         --exclude='*/datasets' --exclude='*/tokenized' --exclude='*/merged/train.jsonl' --exclude='regenerated.jsonl' . 2>/dev/null
+    # finished prompt sets of evaluations that the deadline cut short (their per-set counts)
+    (cd "$W" && find . -path '*state/evaluate*' -name '*.json' -o -path '*eval-state*' -name '*.json') \
+        | tar -C "$W" -czf "$OUT/eval-state.tgz" -T - 2>/dev/null
     ls -la "$OUT" >&2
 }
 
