@@ -395,9 +395,8 @@ def write_configs(work: Path, a) -> None:
                        "temperature": 1.0, "seed": 0},
         "merge": {"seed": 0, "max_seq_len": 1024, "eval_fraction": 0.05, "min_eval_samples": 8,
                   "samples_per_range": 1024 if not tiny else 32},
-        # gpus_per_job 1: the schema's 0 extracts on the CPU, and the hf evaluation claims a GPU only
-        # when extraction does (rules/common.smk evaluate_gpus): call B of 2026-12-01 ran both on the
-        # CPU (extraction 3.4k tokens/s) and ran out of time
+        # gpus_per_job 1: the schema's 0 extracts on the CPU (call B of 2026-12-01: 3.4k tokens/s;
+        # call A ran out of time there)
         "extract": {"engine": "hf", "dtype": "bfloat16", "batch_tokens": 65536 if not tiny else 4096,
                     "writer_threads": 6 if not tiny else 1, "gpus_per_job": 0 if tiny else 1},
         "train": {"methods": ["eagle3"], "gpus": 0 if tiny else 1, "draft_vocab_size": 4096 if not tiny else 512,
