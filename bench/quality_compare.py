@@ -26,7 +26,8 @@ Differences that remain (speculators' own, kept unless `--spec-recipe ours-arch`
   - its validation split cannot be empty: the last training sample is held out from it;
   - on CPU it runs with `--hidden-states-dtype float32` (bf16 autocast on CPU is its GPU recipe's
     precision on slow kernels), sdpa attention and its eager loss; on CUDA its defaults (bf16,
-    flex attention, fused Triton loss).
+    flex attention, fused Triton loss), or with `--spec-kernels eager` bf16 with the CPU's kernels
+    and torch.compile off (no minutes-long first step).
 
 Prints one JSON line: per trainer and seed, τ real (K = each draft_tokens) and simulated at each
 temperature, n-gram baseline, training seconds and tokens; plus mean and spread over seeds.
@@ -215,7 +216,7 @@ def speculators_argv(inp: Inputs, data: Path, samples: int, save: Path, seed: in
         "--seed", str(seed),
         "--hidden-states-dtype", "bfloat16" if cuda else "float32",
     ]  # fmt: skip
-    if not cuda:
+    if not cuda or a.spec_kernels == "eager":
         argv += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
     if a.spec_recipe == "ours-arch":
         argv += ["--no-norm-before-fc", "--no-norm-before-residual", "--no-norm-output"]
@@ -228,7 +229,10 @@ def train_speculators(inp: Inputs, work: Path, seed: int, data: Path, samples: i
     argv = speculators_argv(inp, data, samples, save, seed, a)
     # its CLI as released needs a GPU; on the CPU a launcher points its three device assumptions there
     entry = ["-m", "speculators.train"] if a.device == "cuda" else [str(REPO / "bench" / "speculators_cpu_train.py")]
-    seconds = run([a.spec_python, *entry, *argv], work / "train.log", child_env(a.threads, a.spec_pythonpath))
+    env = child_env(a.threads, a.spec_pythonpath)
+    if a.spec_kernels == "eager":  # its conditional_torch_compile is a no-op with dynamo off
+        env["TORCHDYNAMO_DISABLE"] = "1"
+    seconds = run([a.spec_python, *entry, *argv], work / "train.log", env)
     out = work / "drafter"
     shutil.rmtree(out, ignore_errors=True)
     run(draftflow_cmd("import-drafter", "--from", "speculators", "--input", str(save), "--target", str(inp.target),
@@ -308,6 +312,10 @@ def main(argv=None) -> int:
     p.add_argument("--spec-recipe", choices=["own", "ours-arch"], default="own",
                    help="own: speculators' EAGLE-3 defaults; ours-arch: without its three extra norms")  # fmt: skip
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--spec-kernels", choices=["own", "eager"], default="own",
+                   help="CUDA: own = its compiled forward, flex attention and fused Triton loss (the first step "
+                   "compiles for minutes); eager = sdpa attention, its eager loss, torch.compile off (the same "
+                   "math: what it runs on the CPU)")  # fmt: skip
     p.add_argument("--threads", type=int, default=2, help="CPU threads of each child process")
     p.add_argument("--label", default="", help="a name for this configuration in the output")
     p.add_argument("--sim-only", action="store_true",

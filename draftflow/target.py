@@ -323,6 +323,12 @@ def _tokenizer_training_text(conversations: list[Conversation]) -> Iterator[str]
 
 def train_tokenizer(conversations: list[Conversation], vocab_size: int):
     """Byte-level BPE with Llama-3 special tokens, as a PreTrainedTokenizerFast."""
+    return train_tokenizer_on_texts(_tokenizer_training_text(conversations), vocab_size)
+
+
+def train_tokenizer_on_texts(texts: Iterable[str], vocab_size: int):
+    """`train_tokenizer` over any text (bench/real_target.py: Python sources): the same BPE,
+    special tokens and chat template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -343,7 +349,7 @@ def train_tokenizer(conversations: list[Conversation], vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_tokenizer_training_text(conversations), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     bos_id = tok.token_to_id(BOS)
     # Like Llama 3: plain encoding prepends <|begin_of_text|>; the chat template writes it
     # itself, so rendered chats are encoded with add_special_tokens=False.

@@ -11,10 +11,13 @@
 # Idempotent: a wheel already in .whl is kept; another version of the same package is
 # replaced (pip refuses two versions of one package in a single install).
 #
-# usage: scripts/fetch_bench_wheels.sh [--set bench|workflow|all] [DEST]   (default: bench, .whl)
+# usage: scripts/fetch_bench_wheels.sh [--set bench|workflow|real|all] [DEST]   (default: bench, .whl)
 #   bench     speculators' training path + the storage codec (bench/*_throughput.py, speculators_compare.py)
 #   workflow  Snakemake and what it needs beyond the image + the codec (bench/multi_gpu.py runs the
 #             real workflow there)
+#   real      bench + workflow without pulp (16 MB; Snakemake imports it only for its ILP scheduler:
+#             run it with --scheduler greedy): bench/real_target.py's call, which also carries a target
+#   all       bench + workflow
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -43,6 +46,12 @@ bench_wheels=(
     sniffio==1.3.1                # openai
     # draftflow's storage codec (bench/train_throughput.py and the export)
     zstandard==0.25.0
+    # draftflow.config validates every config with jsonschema (every bench imports it); the
+    # image has attrs but not these
+    jsonschema==4.26.0
+    jsonschema-specifications==2025.9.1
+    referencing==0.37.0
+    rpds-py==2026.9.1
 )
 
 # Snakemake 9.27.1's closure minus what the image already has (attrs, jinja2, numpy, pandas,
@@ -72,7 +81,11 @@ case "$set_name" in
     bench) wheels=("${bench_wheels[@]}"); sdists=() ;;
     workflow) wheels=("${workflow_wheels[@]}"); sdists=("${workflow_sdists[@]}") ;;
     all) wheels=("${bench_wheels[@]}" "${workflow_wheels[@]}"); sdists=("${workflow_sdists[@]}") ;;
-    *) echo "unknown set $set_name (bench, workflow, all)" >&2; exit 2 ;;
+    real)
+        wheels=("${bench_wheels[@]}")
+        for w in "${workflow_wheels[@]}"; do [ "${w%%==*}" = pulp ] || wheels+=("$w"); done
+        sdists=("${workflow_sdists[@]}") ;;
+    *) echo "unknown set $set_name (bench, workflow, real, all)" >&2; exit 2 ;;
 esac
 
 norm() { echo "$1" | tr 'A-Z-.' 'a-z__'; }  # wheel file names: lower case, '-' and '.' as '_'
