@@ -221,3 +221,16 @@ def test_our_connector_copies_on_the_cpu_where_vllms_fails():
     # (here torch.cuda.Stream fails first; inside vLLM's CPU worker, pin_memory=True did)
     assert re.search(r"pin_memory|CUDA", result["ExampleHiddenStatesConnector"]["error"])
     assert result["DraftflowHiddenStatesConnector"] == {"done": ["req"], "rows_equal": True}
+
+
+def test_a_failed_connector_write_is_a_capture_error(tmp_path):
+    """vLLM's writer thread logs a failed save and releases the lock anyway: the file is then
+    missing or cut short, which must stop the sample with a CaptureError naming the file."""
+    path = tmp_path / "req.safetensors"
+    Path(f"{path}.lock").write_text("")
+    path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")  # cut short
+    with pytest.raises(CaptureError, match=r"req.safetensors: vLLM's hidden-states file cannot be read"):
+        V.load_connector_file(path, wait_s=1)
+    path.unlink()
+    with pytest.raises(CaptureError, match=r"req.safetensors: vLLM's hidden-states file cannot be read"):
+        V.load_connector_file(path, wait_s=1)
