@@ -146,7 +146,8 @@ def test_vllm_engine_arguments():
     spec = kwargs["speculative_config"]
     assert spec["method"] == "extract_hidden_states"
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 16, 29, 32]
-    assert kwargs["kv_transfer_config"]["kv_connector"] == "ExampleHiddenStatesConnector"
+    assert kwargs["kv_transfer_config"]["kv_connector"] == "DraftflowHiddenStatesConnector"
+    assert kwargs["kv_transfer_config"]["kv_connector_module_path"] == "draftflow.engines.vllm_connector"
     assert kwargs["kv_transfer_config"]["kv_connector_extra_config"]["shared_storage_path"] == "/dev/shm/x"
     assert V.requests_for([np.array([5, 6, 7])]) == [{"prompt_token_ids": [5, 6, 7]}]
 

@@ -53,6 +53,20 @@ DeepSeek-V2-family models only since PR #46973 (mgoin, merged 2026-06-28; vLLM 0
 released 2026-07-01 from a branch cut before it, 0.25.0 on ~2026-07-11): extraction needs
 >= 0.25.0. A drafter config's ids are read from a speculators config since PR #25961
 (2025-10; before it vLLM silently used its default (2, N//2, N-3)): export needs >= 0.12.0.
+Checked releases (`VLLM_EXTRACTION_CHECKED`): 0.32.0 and 0.33.0. Their llama.py, qwen2.py,
+qwen3.py, qwen3_moe.py, deepseek_v2.py, kimi_k25.py, v1/spec_decode/extract_hidden_states.py
+and the hidden-states connector are byte-identical between the two (interfaces.py differs
+outside `EagleModelMixin._maybe_add_hidden_state`, models/extract_hidden_states.py in one
+import): llama-style models append `hidden_states + residual` at id `start_layer` (0: the
+embeddings, residual None) and at id `idx + 1` after layer idx; deepseek_v2.py appends before
+layer idx (id idx) and at id `end_layer` (N) after the last layer, before `self.norm`. The
+real 0.32.0 CPU build gave, for the builtin Llama target in float32 (ids [0, 1, 2, 8], two
+prompts, against an HF forward): id 0 = HF `hidden_states[0]` exactly, id i = HF
+`hidden_states[i]` within 6e-6 (HF index i + 1: off by 1.4 or more), id N + our final norm =
+HF `hidden_states[N]` within 4e-6; through the workflow the vllm store equals the hf store
+within 7.2e-6 per slot (tests/test_vllm_extract_real.py). Other releases >= 0.25.0
+are accepted with a check at run time: the vllm engine also asks for id 0 and compares it with
+the checkpoint's embedding rows of the sample's tokens (`vllm_extraction_checked`).
 
 Where a release cannot be placed, the functions refuse and say what to check.
 """
@@ -79,6 +93,9 @@ VLLM_FINAL_LAYER_CAPTURE = (0, 25, 0)
 # vLLM: first release assumed to read `eagle_aux_hidden_state_layer_ids` from a speculators
 # drafter config (PR #25961, merged 2025-10).
 VLLM_DRAFT_CONFIG_IDS = (0, 12, 0)
+# vLLM: releases whose extract_hidden_states numbering was read in their released source
+# (0.32.0 also run): (major, minor), any patch. Others run with the embeddings probe.
+VLLM_EXTRACTION_CHECKED = ((0, 32), (0, 33))
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -251,6 +268,12 @@ def vllm_layer_ids(aux: Sequence[int], num_layers: int, arch: Architecture, vers
             f"{format_version(VLLM_FINAL_LAYER_CAPTURE)} (set extract.vllm.version to the installed release)."
         )
     return ids + [num_layers]
+
+
+def vllm_extraction_checked(version: str) -> bool:
+    """Whether vLLM `version`'s extract_hidden_states numbering was checked against its source;
+    the vllm engine verifies any other release at run time (id 0 = the embeddings)."""
+    return parse_version(version)[:2] in VLLM_EXTRACTION_CHECKED
 
 
 def vllm_draft_ids(aux: Sequence[int], num_layers: int, arch: Architecture, version: str) -> list[int]:

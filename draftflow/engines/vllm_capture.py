@@ -24,9 +24,20 @@ reaches the dummy drafter) and chunked prefill is off (the feature requires it).
 capture is checked: the file's token ids must equal ours, the output must report 0 cached
 tokens, and `check_capture` must pass (one row per token, finite).
 
+Connector: ours, `draftflow.engines.vllm_connector.DraftflowHiddenStatesConnector`, which vLLM
+loads by module path (`kv_connector_module_path`). It is the upstream connector on CUDA; on the
+CPU build (where the upstream one pins memory and queries a CUDA event) it copies the rows
+synchronously. The same engine therefore runs on a GPU job and on a CPU job (no GPU claimed:
+vLLM's CPU build, `tensor_parallel` 1, its OpenMP threads bound to the job's compute CPUs).
+
+Lengths: vLLM refuses a `max_model_len` above the target's `max_position_embeddings`, and with
+chunked prefill off it needs `max_num_batched_tokens >= max_model_len`: max_model_len is
+min(extract.batch_tokens, max_position_embeddings); a longer sample is refused naming both.
+
 Pinned version: `extract.vllm.version` must equal the installed release; layer_ids.py holds
 the version rules (the final-layer id N needs vLLM >= 0.25.0 for DeepSeek-V3 / Kimi).
-Tested here without vLLM: the engine arguments, the connector's file format, the norm.
+Tested here without vLLM: the engine arguments, the connector's file format, the norm;
+tests/test_vllm_extract_real.py runs the real vLLM CPU build against the hf engine's store.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -44,12 +56,21 @@ import torch
 
 from draftflow.config import default_aux_layer_ids
 from draftflow.engines.capture import CaptureError, EngineLayerIds, check_capture, layer_names
-from draftflow.engines.layer_ids import Architecture, architecture_of, vllm_engine_layer_ids, vllm_layer_ids
+from draftflow.engines.layer_ids import (
+    Architecture,
+    architecture_of,
+    vllm_engine_layer_ids,
+    vllm_extraction_checked,
+    vllm_layer_ids,
+)
 from draftflow.engines.sglang_capture import DTYPES, check_pinned_version, default_capture_dir
 
 log = logging.getLogger(__name__)
 
-CONNECTOR = "ExampleHiddenStatesConnector"
+# vLLM imports this module itself (in its engine process); we only name it.
+CONNECTOR = "DraftflowHiddenStatesConnector"
+CONNECTOR_MODULE = "draftflow.engines.vllm_connector"
+UPSTREAM_CONNECTOR = "ExampleHiddenStatesConnector"
 
 
 # ---------------------------------------------------------------- engine arguments
@@ -63,10 +84,21 @@ def llm_kwargs(
     dtype: str = "bfloat16",
     tensor_parallel: int = 1,
     batch_tokens: int = 16384,
+    max_model_len: int | None = None,
     trust_remote_code: bool = False,
     seed: int = 0,
+    enforce_eager: bool = False,
+    writer_threads: int | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments of `vllm.LLM` for extraction; `layer_ids` in vLLM's numbering."""
+    """Keyword arguments of `vllm.LLM` for extraction; `layer_ids` in vLLM's numbering.
+
+    `max_model_len`: at most the target's max_position_embeddings (`model_len_limit`); default
+    batch_tokens. `writer_threads`: the connector's file writers (vLLM's default 8 when None).
+    """
+    model_len = int(max_model_len if max_model_len is not None else batch_tokens)
+    extra: dict[str, Any] = {"shared_storage_path": str(capture_dir)}
+    if writer_threads is not None:
+        extra["num_writer_threads"] = int(writer_threads)
     return {
         "model": str(target_dir),
         "tensor_parallel_size": int(tensor_parallel),
@@ -74,13 +106,13 @@ def llm_kwargs(
         "trust_remote_code": bool(trust_remote_code),
         "seed": int(seed),
         "skip_tokenizer_init": True,  # we send token ids
+        "enforce_eager": bool(enforce_eager),
         # Every token must reach the capture: no prefix reuse; chunking is unsupported by the feature.
         "enable_prefix_caching": False,
         "enable_chunked_prefill": False,
-        # Without chunked prefill vLLM needs max_num_batched_tokens >= max_model_len; no merged
-        # sample is longer than batch_tokens (extract.batch_tokens >= merge.max_seq_len).
-        "max_num_batched_tokens": int(batch_tokens),
-        "max_model_len": int(batch_tokens),
+        # Without chunked prefill vLLM needs max_num_batched_tokens >= max_model_len.
+        "max_num_batched_tokens": max(int(batch_tokens), model_len),
+        "max_model_len": model_len,
         "speculative_config": {
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -88,10 +120,38 @@ def llm_kwargs(
         },
         "kv_transfer_config": {
             "kv_connector": CONNECTOR,
+            "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": str(capture_dir)},
+            "kv_connector_extra_config": extra,
         },
     }
+
+
+def model_len_limit(config: dict) -> int | None:
+    """The target's max_position_embeddings (Kimi-K2.5: in text_config); None if it has none."""
+    for source in (config, config.get("text_config") or {}):
+        if source.get("max_position_embeddings"):
+            return int(source["max_position_embeddings"])
+    return None
+
+
+def max_model_len_for(batch_tokens: int, config: dict) -> int:
+    """vLLM's max_model_len for extraction: batch_tokens, capped at the target's
+    max_position_embeddings (vLLM refuses a larger one)."""
+    limit = model_len_limit(config)
+    return min(int(batch_tokens), limit) if limit else int(batch_tokens)
+
+
+def cpu_threads_bind(compute_threads: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for a CPU job: its first `compute_threads` CPUs (of this
+    process's affinity mask, e.g. a SLURM CPU set). vLLM's 'auto' would reserve a core for its
+    scheduler and one more for a KV connector, and bind to whole NUMA nodes instead."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = list(range(os.cpu_count() or 1))
+    n = max(1, min(int(compute_threads), len(cpus)))
+    return ",".join(str(c) for c in cpus[:n])
 
 
 def requests_for(batch: Sequence[np.ndarray]) -> list[dict]:
@@ -130,8 +190,6 @@ def check_output(sample: str, output: Any, input_ids: np.ndarray) -> None:
 
 def load_connector_file(path: Path, wait_s: float = 60.0) -> dict[str, torch.Tensor]:
     """Read a connector file once its writer has released the exclusive lock on `<path>.lock`."""
-    from safetensors.torch import load_file
-
     lock = Path(f"{path}.lock")
     deadline = time.monotonic() + wait_s
     while not path.exists() and not lock.exists():
@@ -148,8 +206,17 @@ def load_connector_file(path: Path, wait_s: float = 60.0) -> dict[str, torch.Ten
                     if time.monotonic() > deadline:
                         raise CaptureError(f"{path}: vLLM's writer still holds {lock} after {wait_s:.0f}s") from None
                     time.sleep(0.02)
-            return load_file(str(path), device="cpu")
-    return load_file(str(path), device="cpu")
+            return _load(path)
+    return _load(path)
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device="cpu")
+    except Exception as e:  # the writer failed (vLLM logs "Hidden-states write failed") or was killed
+        raise CaptureError(f"{path}: vLLM's hidden-states file cannot be read ({type(e).__name__}: {e})") from None
 
 
 def parse_capture(
@@ -207,6 +274,46 @@ def final_norm_weight(target_dir: str | Path, arch: Architecture) -> torch.Tenso
     )
 
 
+def embedding_rows(target_dir: str | Path, arch: Architecture, token_ids: Sequence[int]) -> torch.Tensor:
+    """Rows of the input embedding for `token_ids` [n, H], read row by row from the safetensors."""
+    from safetensors import safe_open
+
+    target_dir = Path(target_dir)
+    names = [f"{prefix}embed_tokens.weight" for prefix in arch.module_prefixes]
+    index = target_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        found = [(n, target_dir / weight_map[n]) for n in names if n in weight_map]
+    else:
+        found = [(n, target_dir / "model.safetensors") for n in names]
+    for name, file in found:
+        if file.exists():
+            with safe_open(str(file), framework="pt") as f:
+                if name in f.keys():
+                    table = f.get_slice(name)
+                    return torch.cat([table[int(t) : int(t) + 1] for t in token_ids])
+    raise CaptureError(
+        f"{target_dir}: no input embedding ({' or '.join(names)}) in its safetensors files; the vllm "
+        "engine needs it to check an unchecked vLLM release's layer numbering at run time"
+    )
+
+
+def check_embeddings_slot(sample: str, slot: torch.Tensor, input_ids: np.ndarray, rows: dict[int, torch.Tensor]) -> None:
+    """vLLM id 0 must be the embeddings of the sample's tokens: else the release numbers layers
+    otherwise than layer_ids.py says (an off-by-one would store every aux layer shifted)."""
+    want = torch.stack([rows[int(t)] for t in input_ids]).to(torch.float32)
+    got = slot.to(torch.float32)
+    err = (got - want).abs().max().item()
+    scale = want.abs().max().item()
+    if not err <= 1e-3 * scale + 1e-6:
+        raise CaptureError(
+            f"sample {sample}: vLLM's layer id 0 is not the token embeddings (max abs difference {err:.3g}, "
+            f"embeddings up to {scale:.3g}): this vLLM release numbers extract_hidden_states layers otherwise "
+            "than draftflow/engines/layer_ids.py assumes (id 0 = embeddings, id i + 1 = output of layer i); "
+            "read its model file's aux_hidden_state_layers code and update layer_ids.py"
+        )
+
+
 def rms_norm_eps(config: dict) -> float:
     for source in (config, config.get("text_config") or {}):
         if "rms_norm_eps" in source:
@@ -238,6 +345,26 @@ def installed_vllm_version() -> str:
     return str(getattr(vllm, "__version__", "unknown"))
 
 
+def vllm_device(settings: dict, devices: Sequence[str], tensor_parallel: int) -> str:
+    """'cuda' for a job that claimed GPUs (at least tensor_parallel of them), 'cpu' for a CPU job
+    (extract.gpus_per_job 0 or extract.device cpu: vLLM's CPU build, tensor_parallel 1)."""
+    gpus = [d for d in devices if d.startswith("cuda")]
+    wants_gpu = settings.get("device", "auto") != "cpu" and int(settings.get("gpus_per_job", 0) or 0) > 0
+    if not gpus and not wants_gpu:
+        if tensor_parallel != 1:
+            raise CaptureError(
+                f"extract.tensor_parallel is {tensor_parallel} on a CPU job (extract.gpus_per_job 0): the vllm "
+                "engine runs vLLM's CPU build in one process there; set extract.tensor_parallel to 1"
+            )
+        return "cpu"
+    if len(gpus) < tensor_parallel:
+        raise CaptureError(
+            f"extract.tensor_parallel is {tensor_parallel} but this job holds {len(gpus)} GPU(s) ({list(devices)}); "
+            f"set extract.gpus_per_job to {tensor_parallel}"
+        )
+    return "cuda"
+
+
 class VllmCaptureEngine:
     """CaptureEngine over `vllm.LLM` (or anything with its `generate(prompts, params)`)."""
 
@@ -258,6 +385,8 @@ class VllmCaptureEngine:
         version: str,
         owns_capture_dir: bool = False,
         max_tokens: int | None = None,
+        max_tokens_why: str = "",
+        embeddings_probe: Any = None,
     ):
         self.llm = llm
         self.sampling_params = sampling_params
@@ -272,6 +401,10 @@ class VllmCaptureEngine:
         self.capture_dir = Path(capture_dir)
         self.version = version
         self.max_tokens = max_tokens
+        self.max_tokens_why = max_tokens_why or f"vLLM's max_model_len {max_tokens}"
+        # token ids -> embedding rows [n, H]: vLLM was also asked for id 0, checked on the first batch
+        self.embeddings_probe = embeddings_probe
+        self._probed = False
         self._owns_dir = owns_capture_dir
         self._names = layer_names(self.aux_layer_ids)
 
@@ -289,28 +422,45 @@ class VllmCaptureEngine:
         num_layers, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])
         aux = settings.get("aux_layer_ids") or default_aux_layer_ids(num_layers)
         tp = int(settings.get("tensor_parallel", 1))
-        gpus = [d for d in devices if d.startswith("cuda")]
-        if len(gpus) < tp:
-            raise CaptureError(
-                f"extract.tensor_parallel is {tp} but this job holds {len(gpus)} GPU(s) ({devices}); "
-                f"set extract.gpus_per_job to {tp}"
-            )
+        on_cpu = vllm_device(settings, devices, tp) == "cpu"
+        batch_tokens = int(settings.get("batch_tokens", 16384))
+        model_len = max_model_len_for(batch_tokens, config)
         capture_dir = default_capture_dir()
+        # A release whose numbering was not read in its source is checked at run time: also
+        # ask for id 0 (the embeddings) and compare it with the checkpoint's rows.
+        probe = not vllm_extraction_checked(installed)
+        ids = ([0] if probe else []) + vllm_layer_ids(aux, num_layers, arch, pinned)
+        if probe:
+            log.warning("vllm %s: layer ids not checked against this release's source; checking id 0 = "
+                        "the embeddings on the first batch", installed)  # fmt: skip
         kwargs = llm_kwargs(
-            target_dir, vllm_layer_ids(aux, num_layers, arch, pinned), capture_dir,
-            dtype=settings.get("dtype", "bfloat16"), tensor_parallel=tp,
-            batch_tokens=int(settings.get("batch_tokens", 16384)),
-            trust_remote_code=bool(settings.get("trust_remote_code", False)),
+            target_dir, ids, capture_dir,
+            dtype=settings.get("dtype", "bfloat16"), tensor_parallel=tp, batch_tokens=batch_tokens,
+            max_model_len=model_len, trust_remote_code=bool(settings.get("trust_remote_code", False)),
+            enforce_eager=bool((settings.get("vllm") or {}).get("enforce_eager", False)),
+            writer_threads=1 if on_cpu else None,
         )  # fmt: skip
+        if on_cpu:
+            # vLLM's CPU worker runs its OpenMP pool on these CPUs (one process, tp 1); the
+            # stage set torch's pool to the job's compute share (its writers run beside it).
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(torch.get_num_threads())
+            log.info("vllm CPU build: OpenMP threads bound to CPUs %s", os.environ["VLLM_CPU_OMP_THREADS_BIND"])
         from vllm import LLM, SamplingParams
 
-        log.info("vllm %s engine: %s, tp %d, aux layers %s, captures in %s", installed, target_dir, tp, aux, capture_dir)
+        log.info(
+            "vllm %s engine on %s: %s, tp %d, aux layers %s, max_model_len %d, captures in %s",
+            installed, "cpu" if on_cpu else ",".join(devices), target_dir, tp, aux, model_len, capture_dir,
+        )  # fmt: skip
         llm = LLM(**kwargs)
         dtype = DTYPES[settings.get("dtype", "bfloat16")]
         return cls(
             llm, SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), arch, num_layers, hidden, aux, dtype,
             final_norm_weight(target_dir, arch), rms_norm_eps(config), capture_dir, pinned, owns_capture_dir=True,
-            max_tokens=int(settings.get("batch_tokens", 16384)),
+            embeddings_probe=(lambda tokens: embedding_rows(target_dir, arch, tokens)) if probe else None,
+            max_tokens=model_len, max_tokens_why=(
+                f"vLLM's max_model_len {model_len} = min(extract.batch_tokens {batch_tokens}, the target's "
+                f"max_position_embeddings {model_len_limit(config)})"
+            ),
         )  # fmt: skip
 
     @property
@@ -325,26 +475,37 @@ class VllmCaptureEngine:
         too_long = [len(ids) for ids in batch if self.max_tokens and len(ids) > self.max_tokens]
         if too_long:
             raise CaptureError(
-                f"samples of {max(too_long)} tokens exceed vLLM's max_model_len {self.max_tokens} "
-                "(= extract.batch_tokens, as chunked prefill must be off): raise extract.batch_tokens"
+                f"{len(too_long)} sample(s) of up to {max(too_long)} tokens exceed {self.max_tokens_why}; "
+                "chunked prefill must be off for extraction, so a sample must fit in one prefill: raise "
+                "extract.batch_tokens or lower merge.max_seq_len to fit"
             )
         outputs = self.llm.generate(requests_for(batch), self.sampling_params, use_tqdm=False)
         if len(outputs) != len(batch):
             raise CaptureError(f"vLLM answered {len(outputs)} of {len(batch)} requests")
         num_slots = len(self.aux_layer_ids) + 1
+        probe = self.embeddings_probe is not None
+        rows: dict[int, torch.Tensor] = {}
+        if probe and not self._probed:
+            tokens = sorted({int(t) for ids in batch for t in ids})
+            rows = dict(zip(tokens, self.embeddings_probe(tokens).to(self.dtype)))
         results = []
         for k, (ids, out) in enumerate(zip(batch, outputs)):
             sample = f"at batch position {k} ({len(ids)} tokens)"
             check_output(sample, out, ids)
             path = hidden_states_path(sample, out)
             try:
-                hidden = parse_capture(sample, load_connector_file(path), ids, num_slots, self.hidden_size)
+                hidden = parse_capture(sample, load_connector_file(path), ids, num_slots + probe, self.hidden_size)
             finally:
                 for leftover in (path, Path(f"{path}.lock")):
                     leftover.unlink(missing_ok=True)
+            if probe:
+                if rows:
+                    check_embeddings_slot(sample, hidden[:, 0], ids, rows)
+                hidden = hidden[:, 1:]
             hidden = apply_final_norm(hidden.to(self.dtype), self.norm_weight, self.eps)
             check_capture(sample, ids, hidden, num_slots, self.hidden_size, self._names)
             results.append(hidden)
+        self._probed = self._probed or bool(rows)
         return results
 
     def close(self) -> None:
@@ -376,8 +537,12 @@ def main(argv: list[str] | None = None) -> int:
     aux = [int(i) for i in args.aux.split(",")] if args.aux else default_aux_layer_ids(num_layers)
     ids = vllm_layer_ids(aux, num_layers, architecture_of(config), args.version)
     kwargs = llm_kwargs(args.target, ids, args.capture_dir)
+    # A GPU server for inspection by hand: vLLM's own connector (ours is the same on CUDA, and
+    # would need draftflow importable in the server's Python).
+    kv = {k: v for k, v in kwargs["kv_transfer_config"].items() if k != "kv_connector_module_path"}
+    kv["kv_connector"] = UPSTREAM_CONNECTOR
     print(json.dumps(kwargs["speculative_config"]))
-    print(json.dumps(kwargs["kv_transfer_config"]))
+    print(json.dumps(kv))
     return 0
 
 

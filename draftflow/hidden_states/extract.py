@@ -648,6 +648,21 @@ def write_range(range_dir: Path, outcome: RangeOutcome, meta: dict) -> None:
     write_range_index(Path(range_dir), outcome.entries, meta)
 
 
+def check_sample_lengths(records: Sequence[Record], engine: CaptureEngine, input_path: Path) -> None:
+    """Refuse a range with a sample longer than the engine's longest prefill (`max_tokens`, where
+    the engine has one: vLLM's max_model_len) before anything runs; batches go shortest first,
+    so the capture itself would find it last."""
+    limit = getattr(engine, "max_tokens", None)
+    longest = max(records, key=lambda r: len(r.input_ids), default=None)
+    if limit and longest is not None and len(longest.input_ids) > limit:
+        why = getattr(engine, "max_tokens_why", "") or f"the engine's limit of {limit} tokens"
+        raise CaptureError(
+            f"{where(input_path, longest.row + 1)}: sample {longest.sample_id} has {len(longest.input_ids)} "
+            f"tokens, more than {why}; a sample must fit in one prefill: raise extract.batch_tokens (up to "
+            "the target's max_position_embeddings) or lower merge.max_seq_len"
+        )
+
+
 def run_extract(
     input_path: Path,
     split: str,
@@ -676,6 +691,7 @@ def run_extract(
         devices = resolve_devices(device, claim.ids)
         engine = engine_factory(settings, target_dir, devices)
         try:
+            check_sample_lengths(records, engine, input_path)
             outcome = extract_range(records, engine, store, settings, label=label)
             meta = range_meta(outcome, engine, settings, split, start, end, store_root)
         finally:
