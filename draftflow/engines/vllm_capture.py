@@ -89,6 +89,7 @@ def llm_kwargs(
     seed: int = 0,
     enforce_eager: bool = False,
     writer_threads: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for extraction; `layer_ids` in vLLM's numbering.
 
@@ -99,7 +100,9 @@ def llm_kwargs(
     extra: dict[str, Any] = {"shared_storage_path": str(capture_dir)}
     if writer_threads is not None:
         extra["num_writer_threads"] = int(writer_threads)
+    sizing = {} if kv_cache_memory_bytes is None else {"kv_cache_memory_bytes": int(kv_cache_memory_bytes)}
     return {
+        **sizing,
         "model": str(target_dir),
         "tensor_parallel_size": int(tensor_parallel),
         "dtype": dtype,
@@ -125,6 +128,14 @@ def llm_kwargs(
             "kv_connector_extra_config": extra,
         },
     }
+
+
+def cpu_kv_cache_bytes() -> int:
+    """An explicit KV cache for vLLM's CPU backend: without one, its worker refuses to start
+    unless 92% (`gpu_memory_utilization`) of the NUMA node's memory is free, which a shared
+    host rarely has. VLLM_CPU_KVCACHE_SPACE (GiB) if set, else 1 GiB."""
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    return int(float(space) * (1 << 30)) if space.strip() else 1 << 30
 
 
 def model_len_limit(config: dict) -> int | None:
@@ -439,6 +450,7 @@ class VllmCaptureEngine:
             max_model_len=model_len, trust_remote_code=bool(settings.get("trust_remote_code", False)),
             enforce_eager=bool((settings.get("vllm") or {}).get("enforce_eager", False)),
             writer_threads=1 if on_cpu else None,
+            kv_cache_memory_bytes=cpu_kv_cache_bytes() if on_cpu else None,
         )  # fmt: skip
         if on_cpu:
             # vLLM's CPU worker runs its OpenMP pool on these CPUs (one process, tp 1); the
