@@ -287,7 +287,6 @@ class Endpoint:
     served: int = 0
     owned_by: str | None = None  # what its /models says (e.g. vllm, sglang): server quirks
 
-
     @property
     def chat_url(self) -> str:
         return self.url + "/chat/completions"
