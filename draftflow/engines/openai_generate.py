@@ -22,6 +22,14 @@ Config `regenerate.openai` (config/schema/config.schema.yaml) drives it:
   switches of Qwen3 and DeepSeek/Kimi templates);
 - sampling: each request's temperature, top_p, max_new_tokens (sent as `max_tokens`) and
   seed; `extra_body` is merged into every request body last (it wins);
+- tools: a conversation's `tools` go in the request so that the template renders them as in
+  training. vLLM answers any request with tools and no `tool_choice` with HTTP 400 unless it
+  runs a tool-call parser (its default tool_choice is then "auto"), so endpoints whose
+  /models says `owned_by: vllm` get `tool_choice: "none"` (vLLM still renders the tools; SGLang
+  would drop them from the prompt with "none", so it gets none);
+- at start, every endpoint must answer /models and serve the model; an endpoint that is not
+  up yet (refused, 5xx, timeout) is retried with the same backoff and `max_retries` as a
+  request, so a shard job that starts while a server restarts waits for it;
 - the API key comes from the environment variable `api_key_env` names. It is sent only as
   the Authorization header and never written to a file or a log: server error texts are
   redacted before they are logged or stored.
@@ -62,6 +70,8 @@ FATAL_STATUS = {401: "the API key was rejected", 403: "access is forbidden", 404
 MAX_BACKOFF_S = 60.0
 MAX_RETRY_AFTER_S = 600.0
 PROGRESS_EVERY_S = 10.0
+# Servers (/models `owned_by`) that reject tools without tool_choice when no tool-call parser runs.
+TOOL_CHOICE_NONE_OWNERS = {"vllm"}
 
 
 class GenerationFailed(DraftflowError):
@@ -159,6 +169,14 @@ def build_body(request: GenerationRequest, model: str, settings: OpenAISettings)
     return body
 
 
+def body_for(body: dict[str, Any], owned_by: str | None) -> dict[str, Any]:
+    """The request body as sent to one endpoint: `tool_choice: "none"` for vLLM when tools are sent
+    (and extra_body did not choose one)."""
+    if body.get("tools") and "tool_choice" not in body and owned_by in TOOL_CHOICE_NONE_OWNERS:
+        return {**body, "tool_choice": "none"}
+    return body
+
+
 def split_think(content: str) -> tuple[str | None, str]:
     """A leading '<think>…</think>' block (servers without a reasoning parser) -> (reasoning, answer)."""
     stripped = content.lstrip()
@@ -218,15 +236,19 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
     return max(0.0, when - (time.time() if now is None else now))
 
 
-def post_json(url: str, body: dict, headers: dict[str, str], timeout_s: float) -> Any:
-    """POST `body` to `url`; the decoded JSON reply, or RequestError classifying the failure."""
+def post_json(url: str, body: dict | None, headers: dict[str, str], timeout_s: float) -> Any:
+    """POST `body` to `url` (GET when it is None); the decoded JSON reply, or RequestError
+    classifying the failure."""
     parts = urlsplit(url)
     connection_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     connection = connection_cls(parts.hostname, parts.port, timeout=timeout_s)
     path = parts.path + (f"?{parts.query}" if parts.query else "")
-    data = json.dumps(body).encode("utf-8")
     try:
-        connection.request("POST", path, body=data, headers={**headers, "Content-Type": "application/json"})
+        if body is None:
+            connection.request("GET", path, headers=headers)
+        else:
+            data = json.dumps(body).encode("utf-8")
+            connection.request("POST", path, body=data, headers={**headers, "Content-Type": "application/json"})
         response = connection.getresponse()
         raw = response.read()
         status = response.status
@@ -263,6 +285,7 @@ class Endpoint:
     cooldown_until: float = 0.0  # monotonic time before which it is not picked if another is free
     consecutive_failures: int = 0
     served: int = 0
+    owned_by: str | None = None  # what its /models says (e.g. vllm, sglang): server quirks
 
     @property
     def chat_url(self) -> str:
@@ -276,8 +299,8 @@ class EndpointPool:
     its k-th failure in a row (at most 64×), so a dead server among live ones is tried rarely.
     """
 
-    def __init__(self, urls: tuple[str, ...], backoff_s: float = 1.0):
-        self.endpoints = [Endpoint(u) for u in urls]
+    def __init__(self, urls: tuple[str, ...], backoff_s: float = 1.0, owners: dict[str, str] | None = None):
+        self.endpoints = [Endpoint(u, owned_by=(owners or {}).get(u)) for u in urls]
         self.backoff_s = backoff_s
         self._lock = threading.Lock()
         self._turn = 0
@@ -343,14 +366,17 @@ class _Aborted(Exception):
 class OpenAIGenerationEngine:
     """GenerationEngine over OpenAI-compatible /chat/completions endpoints."""
 
-    def __init__(self, settings: OpenAISettings, model: str, api_key: str | None = None):
+    def __init__(
+        self, settings: OpenAISettings, model: str, api_key: str | None = None, owners: dict[str, str] | None = None
+    ):
+        """owners: endpoint URL -> the `owned_by` of its /models (resolve_model finds them)."""
         self.settings = settings
         self.model = model
         self._headers = {"Accept": "application/json"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._secret = api_key
-        self.pool = EndpointPool(settings.endpoints, settings.backoff_s)
+        self.pool = EndpointPool(settings.endpoints, settings.backoff_s, owners)
         self.failures = FailureTracker(settings.max_consecutive_failures)
         self._executor = ThreadPoolExecutor(max_workers=settings.concurrency, thread_name_prefix="openai")
         self._abort = threading.Event()
@@ -409,7 +435,8 @@ class OpenAIGenerationEngine:
                 self.pool.release(endpoint, ok=None)
                 raise _Aborted()
             try:
-                reply = post_json(endpoint.chat_url, body, self._headers, self.settings.timeout_s)
+                sent = body_for(body, endpoint.owned_by)
+                reply = post_json(endpoint.chat_url, sent, self._headers, self.settings.timeout_s)
                 result = parse_completion(reply, self.settings.reasoning)
             except RequestError as e:
                 delay = self._backoff(attempt, e.retry_after)
@@ -524,27 +551,62 @@ class _Progress:
         )  # fmt: skip
 
 
-def resolve_model(settings: OpenAISettings, api_key: str | None) -> str:
-    """The served model every endpoint must offer (regenerate.openai.model, or the one model served)."""
+def wait_for_endpoint(url: str, settings: OpenAISettings, api_key: str | None) -> str | None:
+    """GET <url>/models until it answers, retrying what a request would retry (refused, 5xx,
+    timeouts; same backoff, at most `max_retries` retries); the `owned_by` of its first model.
+
+    Gives up quietly on an answer no retry can change (401, 404, …): `resolve_model`'s check
+    then says what is wrong.
+    """
+    headers = {"Accept": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    timeout = min(settings.timeout_s, 30.0)
+    jitter = random.Random()
+    for attempt in range(settings.max_retries + 1):
+        try:
+            reply = post_json(url + "/models", None, headers, timeout)
+        except RequestError as e:
+            if e.kind != "retry" or attempt == settings.max_retries:
+                return None
+            delay = min(MAX_BACKOFF_S, settings.backoff_s * 2**attempt) * jitter.uniform(0.5, 1.5)
+            message = e.message.replace(api_key, "[redacted]") if api_key else e.message
+            log.warning("%s/models attempt %d failed: %s (retrying in %.1fs; regenerate.openai.max_retries)",
+                        url, attempt + 1, message, delay)  # fmt: skip
+            time.sleep(delay)
+            continue
+        data = reply.get("data") if isinstance(reply, dict) else None
+        first = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
+        owner = first.get("owned_by")
+        return str(owner) if owner is not None else None
+    return None
+
+
+def resolve_model(settings: OpenAISettings, api_key: str | None) -> tuple[str, dict[str, str]]:
+    """The served model every endpoint must offer (regenerate.openai.model, or the one model
+    served), and each endpoint's `owned_by` (server quirks: `body_for`)."""
     from draftflow.engines.servers import check_served_model
 
     model = settings.model
+    owners: dict[str, str] = {}
     timeout = min(settings.timeout_s, 30.0)
     for url in settings.endpoints:
+        owner = wait_for_endpoint(url, settings, api_key)
+        if owner is not None:
+            owners[url] = owner
         result = check_served_model(url, model, timeout, api_key)
         if not result.ok:
             raise DraftflowError(f"regenerate.openai: {result.message}")
         model = model or result.details["models"][0]
-    return str(model)
+    return str(model), owners
 
 
 def create_engine(settings: dict, target_dir: Path) -> OpenAIGenerationEngine:
     """The engine for config `regenerate` with engine 'openai' (target_dir is not used)."""
     openai = OpenAISettings.from_settings(settings)
     api_key = read_api_key(openai.api_key_env)
-    model = resolve_model(openai, api_key)
+    model, owners = resolve_model(openai, api_key)
     log.info(
-        "openai engine: model %r at %s, %d concurrent requests, reasoning %s",
-        model, ", ".join(openai.endpoints), openai.concurrency, openai.reasoning,
+        "openai engine: model %r at %s (%s), %d concurrent requests, reasoning %s",
+        model, ", ".join(openai.endpoints), ", ".join(sorted(set(owners.values()))) or "server unknown",
+        openai.concurrency, openai.reasoning,
     )  # fmt: skip
-    return OpenAIGenerationEngine(openai, model, api_key)
+    return OpenAIGenerationEngine(openai, model, api_key, owners)
