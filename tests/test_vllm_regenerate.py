@@ -35,13 +35,10 @@ import pytest
 from conftest import snakemake, write_config
 from draftflow.engines.openai_generate import body_for
 from draftflow.jsonl import read_jsonl, write_jsonl
-from real_vllm import free_port, vllm_env, vllm_python
+from real_vllm import VLLM_SERVER_ARGS, free_port, vllm_env, vllm_python
 from test_workflow_extract import CONFIG, clone
 
 SERVED = "draftflow-target"  # --served-model-name, checked by regenerate.openai.model
-# fp32 like the hf engine on CPU; no torch.compile warm-up (minutes on 2 cores); the builtin
-# target's context (its max_position_embeddings)
-VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
 REAL_VLLM_TIMEOUT_S = 3600  # the default run (when no other test built it yet), then three vLLM starts
 STARTUP_S = 900  # ~1 min on a quiet 2-core machine, up to 5 under load
 DATASET = "prompts"  # the default's dataset with regenerate: true
@@ -65,7 +62,7 @@ class VllmServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
-                     "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(self.port), *VLLM_ARGS]  # fmt: skip
+                     "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(self.port), *VLLM_SERVER_ARGS]  # fmt: skip
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
         self.starts = 0

@@ -22,15 +22,11 @@ import psutil
 import pytest
 
 from conftest import snakemake, write_config
-from real_vllm import VLLM_ENV, vllm_python
+from real_vllm import VLLM_ENV, VLLM_SERVER_ARGS, vllm_python
 from test_workflow_extract import CONFIG, clone
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # the default run, then ~6 vLLM launches
 
-# As config/vllm-cpu.yaml: fp32 like the hf engine on CPU; no torch.compile warm-up (minutes on
-# 2 cores); the builtin target's context (its max_position_embeddings); an explicit KV cache
-# (else vLLM's CPU worker refuses to start unless 92% of the NUMA node's memory is free)
-VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 30)]
 SERVED_TAU_FLOOR = 1.5  # EAGLE-3, K = 7, the shrunk default (measurements in BENCHMARKS.md)
 UNIT = re.compile(r"INFO draftflow\.evaluation\.served: (\S+): prompt set (\S+) \(")
 
@@ -40,7 +36,7 @@ def served_config(config: dict, python: Path) -> dict:
     config["evaluate"]["engine"] = "vllm"
     config["evaluate"]["server"] = {
         "launcher": [str(python), "-m", "vllm.entrypoints.openai.api_server"],
-        "extra_args": VLLM_ARGS,
+        "extra_args": VLLM_SERVER_ARGS,
         "startup_timeout_s": 900,
     }
     return config
