@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from draftflow.drafters.train import load_drafter
+    from draftflow.drafters.checkpoint import load_drafter
     from draftflow.drafters.ttt import unroll
     from draftflow.engines.export import import_speculators, speculators_checkpoint
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from draftflow.cli import main as cli_main
 from draftflow.errors import DraftflowError
 from draftflow.engines.export import engine_aux_ids, our_aux_ids
-from draftflow.drafters.train import load_drafter, save_drafter
+from draftflow.drafters.checkpoint import load_drafter, save_drafter
 from test_speculative import tiny_drafter, tiny_target
 
 AUX = [1, 2, 4]  # of a 6-layer target: below the last layer, whose output engines cannot capture

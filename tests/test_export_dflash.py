@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from draftflow.cli import main as cli_main
 from draftflow.drafters.dflash import ContextCache, DFlashConfig, DFlashDrafter
-from draftflow.drafters.train import load_drafter, save_drafter
+from draftflow.drafters.checkpoint import load_drafter, save_drafter
 from test_export import run_launch
 from test_speculative import tiny_target
 

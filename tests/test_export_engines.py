@@ -25,7 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import helpers_engines as engines
 from draftflow.cli import main as cli_main
 from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter, KVCache
-from draftflow.drafters.train import load_drafter, save_drafter
+from draftflow.drafters.checkpoint import load_drafter, save_drafter
 from helpers_engine_source import PINNED, SourceUnavailable, engine_source
 
 V, VD, TARGET_LAYERS, THETA = 64, 48, 6, 20000.0  # a non-default RoPE base: the engines must read ours
