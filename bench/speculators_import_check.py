@@ -50,7 +50,7 @@ def main(argv=None) -> int:
 
     from draftflow.drafters.checkpoint import load_drafter
     from draftflow.drafters.ttt import unroll
-    from draftflow.engines.export import import_speculators, speculators_checkpoint
+    from draftflow.export.importing import import_speculators, speculators_checkpoint
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", type=Path, required=True, help="speculators epoch folder or --save-path")

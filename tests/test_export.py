@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from draftflow.cli import main as cli_main
 from draftflow.errors import DraftflowError
-from draftflow.engines.export import engine_aux_ids, our_aux_ids
+from draftflow.export.eagle3 import engine_aux_ids, our_aux_ids
 from draftflow.drafters.checkpoint import load_drafter, save_drafter
 from test_speculative import tiny_drafter, tiny_target
 
@@ -347,7 +347,7 @@ def test_export_refuses_a_release_the_table_cannot_place_before_writing(saved, t
 def test_the_default_export_targets_the_schema_default_releases():
     import yaml
 
-    from draftflow.engines.export import ExportSettings
+    from draftflow.export.common import ExportSettings
 
     schema = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "config/schema/config.schema.yaml")))
     export_props = schema["properties"]["export"]["properties"]
@@ -610,7 +610,7 @@ def test_speculators_import_names_what_is_wrong(saved, recipe_drafter, tmp_path,
 
 
 def test_exporting_recipe_norms_names_those_the_sglang_release_would_not_apply(saved, recipe_drafter, tmp_path, caplog):
-    from draftflow.engines.export import sglang_ignored_variants
+    from draftflow.export.eagle3 import sglang_ignored_variants
 
     cfg = recipe_drafter.config
     assert sglang_ignored_variants(cfg, "0.5.14") == ["norm_before_fc", "norm_before_residual"]

@@ -309,7 +309,7 @@ def test_import_drafter_round_trips_every_exported_shape_bit_exactly(exports, ta
 
 @pytest.mark.parametrize("layers, n_aux", SHAPES)
 def test_the_vllm_names_map_back_to_the_drafters_bit_exactly(exports, layers, n_aux):
-    from draftflow.engines.export import tensors_from_vllm
+    from draftflow.export.eagle3 import tensors_from_vllm
 
     folder, _ = exports(layers, n_aux)
     back, original = tensors_from_vllm(tensors_of(folder / "float32" / "vllm")), tensors_of(folder / "drafter")
