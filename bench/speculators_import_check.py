@@ -48,9 +48,9 @@ def main(argv=None) -> int:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from draftflow.drafters.train import load_drafter
+    from draftflow.drafters.checkpoint import load_drafter
     from draftflow.drafters.ttt import unroll
-    from draftflow.engines.export import import_speculators, speculators_checkpoint
+    from draftflow.export.importing import import_speculators, speculators_checkpoint
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", type=Path, required=True, help="speculators epoch folder or --save-path")

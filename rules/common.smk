@@ -1,6 +1,7 @@
 # Config validation, paths and input functions shared by every rule.
 import json
 import os
+import shlex
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -505,3 +506,17 @@ def evaluate_gpus() -> int:
     if evaluate_engine() == "hf":
         return min(1, config["extract"]["gpus_per_job"])
     return config["evaluate"]["server"]["tensor_parallel"] if evaluate_launches() else 0
+
+
+def extract_command() -> Operational:
+    """The command an extract job runs: `draftflow`, or for engine vllm with extract.vllm.python
+    set, `<that python> -m draftflow.cli` (vLLM runs in the job's process, so the job needs a
+    Python that has vllm; PYTHONPATH, set above, gives it this checkout's package)."""
+    python = (
+        config["extract"]["vllm"].get("python")
+        if config["extract"]["engine"] == "vllm"
+        else None
+    )
+    if not python:
+        return Operational("draftflow")
+    return Operational(f"{shlex.quote(str(python))} -m draftflow.cli")

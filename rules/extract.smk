@@ -1,7 +1,6 @@
 # Hidden states of the target for every merged sample, one job per range of the plan.
 # Samples live in a content-keyed store outside the declared outputs, so a rerun
 # (Snakemake deletes a range folder first) or a re-merge reuses every finished sample.
-import shlex
 
 
 # A checkpoint, so that the extract jobs are re-evaluated after it ran: with a plain rule,
@@ -24,16 +23,6 @@ checkpoint preflight:
     shell:
         "draftflow --threads {threads} preflight --plan {input.plan} --path {params.path}"
         " --settings {params.settings:q} --output {output} > {log} 2>&1"
-
-
-def extract_command() -> Operational:
-    """The command an extract job runs: `draftflow`, or for engine vllm with extract.vllm.python
-    set, `<that python> -m draftflow.cli` (vLLM runs in the job's process, so the job needs a
-    Python that has vllm; PYTHONPATH, set above, gives it this checkout's package)."""
-    python = config["extract"]["vllm"].get("python") if config["extract"]["engine"] == "vllm" else None
-    if not python:
-        return Operational("draftflow")
-    return Operational(f"{shlex.quote(str(python))} -m draftflow.cli")
 
 
 rule extract:

@@ -348,7 +348,8 @@ def dflash_settings(**kw) -> dict:
 
 
 def test_dflash_trains_from_ranges_storing_more_layers(world, tmp_path):
-    from draftflow.drafters.train import TrainInputs, TrainSettings, load_drafter, run_training
+    from draftflow.drafters.checkpoint import load_drafter
+    from draftflow.drafters.train import TrainInputs, TrainSettings, run_training
 
     s = TrainSettings.from_dict(dflash_settings(epochs=2))
     inputs = TrainInputs(world["train"], world["eval"], world["target"], None, tmp_path / "state", tmp_path / "out")

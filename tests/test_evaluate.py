@@ -163,7 +163,7 @@ def stage_inputs(tmp_path_factory):
     """A saved tiny target with a Llama-3-style tokenizer, a saved drafter, an eval split."""
     from helpers_tokenizers import build_fast_tokenizer
 
-    from draftflow.drafters.train import save_drafter
+    from draftflow.drafters.checkpoint import save_drafter
 
     tmp = tmp_path_factory.mktemp("evaluate")
     tokenizer = build_fast_tokenizer("llama3")
@@ -379,7 +379,7 @@ def test_evaluate_stage_with_a_dflash_drafter(stage_inputs, tmp_path):
     """A DFlash drafter reading a subset of the stored layers: block decoding equals greedy on
     every prompt; K = the settings' plus the full block; simulated over the eval split."""
     from draftflow.drafters.dflash import DFlashConfig, DFlashDrafter
-    from draftflow.drafters.train import save_drafter
+    from draftflow.drafters.checkpoint import save_drafter
 
     tmp, range_dir, records = stage_inputs
     config = json.loads((tmp / "target" / "config.json").read_text())

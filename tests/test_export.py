@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from draftflow.cli import main as cli_main
 from draftflow.errors import DraftflowError
-from draftflow.engines.export import engine_aux_ids, our_aux_ids
-from draftflow.drafters.train import load_drafter, save_drafter
+from draftflow.export.eagle3 import engine_aux_ids, our_aux_ids
+from draftflow.drafters.checkpoint import load_drafter, save_drafter
 from test_speculative import tiny_drafter, tiny_target
 
 AUX = [1, 2, 4]  # of a 6-layer target: below the last layer, whose output engines cannot capture
@@ -347,7 +347,7 @@ def test_export_refuses_a_release_the_table_cannot_place_before_writing(saved, t
 def test_the_default_export_targets_the_schema_default_releases():
     import yaml
 
-    from draftflow.engines.export import ExportSettings
+    from draftflow.export.common import ExportSettings
 
     schema = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "config/schema/config.schema.yaml")))
     export_props = schema["properties"]["export"]["properties"]
@@ -386,10 +386,10 @@ def test_launch_scripts_run_the_exact_server_commands(saved, tmp_path):
         "--speculative-num-draft-tokens", "5", "--tp", "2", "--port", "30000",
     ]  # fmt: skip
     vl = (saved / "out" / "vllm").resolve()
-    argv = run_launch(vl / "launch.sh", tmp_path, "vllm")
-    assert argv[:4] == ["serve", target, "--tensor-parallel-size", "2"]
-    assert argv[4] == "--speculative-config" and argv[6:] == ["--port", "30000"]
-    assert json.loads(argv[5]) == {"method": "eagle3", "model": str(vl), "num_speculative_tokens": 4}
+    argv = run_launch(vl / "launch.sh", tmp_path, "python3")  # the `vllm` command fails on the CPU build
+    assert argv[:6] == ["-m", "vllm.entrypoints.openai.api_server", "--model", target, "--tensor-parallel-size", "2"]
+    assert argv[6] == "--speculative-config" and argv[8:] == ["--port", "30000"]
+    assert json.loads(argv[7]) == {"method": "eagle3", "model": str(vl), "num_speculative_tokens": 4}
 
 
 def test_moved_export_serves_a_target_given_by_argument_or_environment(saved, tmp_path):
@@ -404,8 +404,8 @@ def test_moved_export_serves_a_target_given_by_argument_or_environment(saved, tm
     assert argv[argv.index("--model-path") + 1] == str(other)
     assert argv[argv.index("--speculative-draft-model-path") + 1] == str(moved / "sglang")
     assert argv[-2:] == ["--port", "30000"]
-    argv = run_launch(moved / "vllm" / "launch.sh", tmp_path, "vllm", TARGET=str(other), DRAFTER="/srv/drafter")
-    assert argv[1] == str(other)
+    argv = run_launch(moved / "vllm" / "launch.sh", tmp_path, "python3", TARGET=str(other), DRAFTER="/srv/drafter")
+    assert argv[argv.index("--model") + 1] == str(other)
     assert json.loads(argv[argv.index("--speculative-config") + 1])["model"] == "/srv/drafter"
     argv = run_launch(moved / "sglang" / "launch.sh", tmp_path, "python3")  # the recorded target
     assert argv[argv.index("--model-path") + 1] == str((saved / "target").resolve())
@@ -610,7 +610,7 @@ def test_speculators_import_names_what_is_wrong(saved, recipe_drafter, tmp_path,
 
 
 def test_exporting_recipe_norms_names_those_the_sglang_release_would_not_apply(saved, recipe_drafter, tmp_path, caplog):
-    from draftflow.engines.export import sglang_ignored_variants
+    from draftflow.export.eagle3 import sglang_ignored_variants
 
     cfg = recipe_drafter.config
     assert sglang_ignored_variants(cfg, "0.5.14") == ["norm_before_fc", "norm_before_residual"]

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from draftflow.cli import main as cli_main
 from draftflow.drafters.dflash import ContextCache, DFlashConfig, DFlashDrafter
-from draftflow.drafters.train import load_drafter, save_drafter
+from draftflow.drafters.checkpoint import load_drafter, save_drafter
 from test_export import run_launch
 from test_speculative import tiny_target
 
@@ -200,9 +200,10 @@ def test_launch_scripts_run_the_exact_dflash_server_commands(saved, tmp_path):
         "--port", "30000",
     ]  # fmt: skip
     vl = (saved / "out-l" / "vllm").resolve()
-    argv = run_launch(vl / "launch.sh", tmp_path, "vllm")
-    assert argv[:5] == ["serve", target, "--tensor-parallel-size", "2", "--speculative-config"]
-    assert json.loads(argv[5]) == {"method": "dflash", "model": str(vl), "num_speculative_tokens": BLOCK - 1}
+    argv = run_launch(vl / "launch.sh", tmp_path, "python3")
+    assert argv[:7] == ["-m", "vllm.entrypoints.openai.api_server", "--model", target, "--tensor-parallel-size", "2",
+                        "--speculative-config"]  # fmt: skip
+    assert json.loads(argv[7]) == {"method": "dflash", "model": str(vl), "num_speculative_tokens": BLOCK - 1}
 
 
 def test_exported_drafter_loads_back_unchanged(saved):

@@ -25,7 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import helpers_engines as engines
 from draftflow.cli import main as cli_main
 from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter, KVCache
-from draftflow.drafters.train import load_drafter, save_drafter
+from draftflow.drafters.checkpoint import load_drafter, save_drafter
 from helpers_engine_source import PINNED, SourceUnavailable, engine_source
 
 V, VD, TARGET_LAYERS, THETA = 64, 48, 6, 20000.0  # a non-default RoPE base: the engines must read ours
@@ -309,7 +309,7 @@ def test_import_drafter_round_trips_every_exported_shape_bit_exactly(exports, ta
 
 @pytest.mark.parametrize("layers, n_aux", SHAPES)
 def test_the_vllm_names_map_back_to_the_drafters_bit_exactly(exports, layers, n_aux):
-    from draftflow.engines.export import tensors_from_vllm
+    from draftflow.export.eagle3 import tensors_from_vllm
 
     folder, _ = exports(layers, n_aux)
     back, original = tensors_from_vllm(tensors_of(folder / "float32" / "vllm")), tensors_of(folder / "drafter")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from draftflow.drafters.packing import best_fit_decreasing, plan_packed
-from draftflow.drafters.train import TrainSettings, collate, plan_micro_batches
+from draftflow.drafters.batching import collate
+from draftflow.drafters.train import TrainSettings, plan_micro_batches
 from draftflow.drafters.ttt import TargetInfo, step_token_counts, ttt_loss
 from draftflow.hidden_states.storage import Sample
 from test_drafter import VD, tiny_drafter

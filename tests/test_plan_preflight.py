@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from draftflow import cli
+from draftflow.checks import CheckResult
 from draftflow.errors import DraftflowError
 from draftflow.jsonl import read_json, write_json
 from draftflow.hidden_states.plan import (
@@ -22,7 +23,6 @@ from draftflow.hidden_states.plan import (
     storage_bytes,
 )
 from draftflow.hidden_states.preflight import (
-    CheckResult,
     PreflightContext,
     PreflightSettings,
     check_free_disk,

@@ -137,7 +137,7 @@ def simulated_tau(world: dict, drafter_dir: Path, steps: int, temperature: float
     """`draftflow evaluate`'s simulated acceptance of a trained drafter on the held-out range."""
     from transformers import AutoModelForCausalLM
 
-    from draftflow.drafters.train import load_drafter
+    from draftflow.drafters.checkpoint import load_drafter
     from draftflow.drafters.ttt import TargetHead
     from draftflow.evaluation.evaluate import simulate
     from draftflow.hidden_states.storage import HiddenStateReader

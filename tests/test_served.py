@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from draftflow.cli import main as cli_main
-from draftflow.engines.fake_engines import FakeSGLang, FakeVllm
 from draftflow.errors import DraftflowError
 from draftflow.evaluation.engine_counters import (
     SpecCounts,
@@ -23,6 +22,10 @@ from draftflow.evaluation.engine_counters import (
     sglang_request_counts,
     sglang_server_k,
 )
+from fake_engines import FakeSGLang, FakeVllm
+
+# The fake servers run as a script (the launcher is a command line, as for the real engines).
+FAKE_ENGINES = str(Path(__file__).parent / "fake_engines.py")
 
 # ---------------------------------------------------------------- the arithmetic, pinned
 
@@ -312,7 +315,7 @@ def test_launched_servers_one_per_k_plus_baseline_all_stopped(inputs, target, en
     """The stage launches the engine's own command line (here the fake, which takes the same
     arguments), once per K and once without the drafter, and stops each one."""
     port = free_port()
-    launcher = [sys.executable, "-m", "draftflow.engines.fake_engines", engine]
+    launcher = [sys.executable, FAKE_ENGINES, engine]
     server = {"launcher": launcher, "port": port, "startup_timeout_s": 60}
     assert evaluate(inputs, target, engine, server, draft_tokens=[2, 3], prompt_sets={"eval": {"kind": "eval"}}) == 0
     assert port_closed(port)
@@ -326,7 +329,7 @@ def test_launched_servers_one_per_k_plus_baseline_all_stopped(inputs, target, en
 
 def test_a_launch_onto_a_busy_port_is_refused(inputs, target, capsys):
     with FakeSGLang(k=3, lifetime_s=60) as other:  # e.g. the regeneration server left running
-        launcher = [sys.executable, "-m", "draftflow.engines.fake_engines", "sglang"]
+        launcher = [sys.executable, FAKE_ENGINES, "sglang"]
         assert evaluate(inputs, target, "sglang", {"launcher": launcher, "port": other.port}) == 1
         assert other.log == []
     assert f"127.0.0.1:{other.port} is already in use" in capsys.readouterr().err
@@ -336,7 +339,7 @@ def test_a_launched_server_of_another_release_than_the_export_is_refused_and_sto
     """The drafter's aux ids were written for export.<engine>_version: a launched server of
     another release could read them differently."""
     port = free_port()
-    launcher = [sys.executable, "-m", "draftflow.engines.fake_engines", "sglang"]
+    launcher = [sys.executable, FAKE_ENGINES, "sglang"]
     server = {"launcher": launcher, "port": port, "startup_timeout_s": 60, "extra_args": ["--fake-version", "0.5.13"]}
     assert evaluate(inputs, target, "sglang", server) == 1
     assert "runs SGLang 0.5.13, but the drafter was exported for 0.5.14" in capsys.readouterr().err

@@ -93,7 +93,7 @@ def test_one_table_serves_capture_data_config_and_export():
     come from layer_ids.py, and agree: the ids a data_config.json names for SGLang are the ids
     the export writes for the same release."""
     from draftflow.engines import capture
-    from draftflow.engines.export import engine_aux_ids
+    from draftflow.export.eagle3 import engine_aux_ids
 
     assert not hasattr(capture, "ENGINE_LAYER_CONVENTIONS")
     kimi = {"model_type": "kimi_k25", "text_config": {"num_hidden_layers": 61}}

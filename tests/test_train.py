@@ -18,20 +18,19 @@ import torch
 
 from draftflow.errors import DraftflowError
 from draftflow.hidden_states.storage import SampleStore, encode_sample, sample_key, write_range_index
+from draftflow.drafters.batching import collate
+from draftflow.drafters.checkpoint import load_drafter, save_drafter
 from draftflow.drafters.train import (
     DistEnv,
     EpochPlan,
     TrainInputs,
     TrainSettings,
     build_drafter,
-    collate,
-    load_drafter,
     make_loader,
     make_optimizer,
     plan_batches,
     plan_micro_batches,
     run_training,
-    save_drafter,
     shard_eval_batches,
     train_step,
     use_compile,

@@ -38,7 +38,6 @@ import os
 import random
 import shutil
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -49,16 +48,17 @@ import torch.distributed as dist
 from torch import nn
 
 from draftflow.config import OPERATIONAL_KEYS
-from draftflow.drafters.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
+from draftflow.drafters.batching import AnchorPlan, Batch, SampleDataset, collate_rows, reader_layers
+from draftflow.drafters.checkpoint import load_target_tensors, save_drafter, target_config
 from draftflow.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashSettings, loss_decay
 from draftflow.drafters.eagle3 import VARIANT_FLAGS, Eagle3Config, Eagle3Drafter
 from draftflow.drafters.losses import LOSSES
 from draftflow.drafters.packing import Rows, batch_shape, plan_packed
-from draftflow.errors import DraftflowError, reject_unknown_keys, where
-from draftflow.jsonl import atomic_path, file_mode, fsync_dir, read_json, write_json
+from draftflow.errors import DraftflowError, reject_unknown_keys
+from draftflow.jsonl import atomic_path, fsync_dir, read_json, write_json
 from draftflow.progress import Progress as ProgressLog
 from draftflow.threads import default_threads, split_threads
-from draftflow.drafters.ttt import STAT_ROWS, TargetHead, TTTObjective, step_token_counts, summarize
+from draftflow.drafters.ttt import STAT_ROWS, TargetHead, TTTObjective, summarize
 from draftflow.drafters.vocab import DraftVocab, load_vocab
 
 log = logging.getLogger(__name__)
@@ -172,152 +172,7 @@ class TrainSettings:
 
 
 # ---------------------------------------------------------------- data
-
-
-@dataclass
-class Batch:
-    """A micro-batch of B rows (right padding: padding has loss_mask 0). EAGLE-3 packs several
-    samples into a row (`doc` says which); DFlash has one sample per row."""
-
-    input_ids: torch.Tensor  # [B, T] int64
-    loss_mask: torch.Tensor  # [B, T] bool
-    aux: torch.Tensor  # [B, T, n_aux*H], stored dtype
-    final: torch.Tensor  # [B, T, H], stored dtype
-    step_tokens: torch.Tensor  # [steps] int64: loss tokens per TTT step / block row (for global normalization)
-    tokens: int  # real (unpadded) tokens
-    bad: tuple = ()  # storage.BadRead of samples that could not be read (left out of the tensors)
-    anchors: torch.Tensor | None = None  # [B, n] int64 DFlash block anchors, -1: padding
-    doc: torch.Tensor | None = None  # [B, T] int64 packed rows: the token's sample within its row, -1: padding
-
-    def _tensors(self) -> list[str]:
-        return [k for k in _TENSORS if getattr(self, k) is not None]
-
-    def pin_memory(self) -> "Batch":
-        return dataclasses.replace(self, **{k: getattr(self, k).pin_memory() for k in self._tensors()})
-
-    def to(self, device, non_blocking: bool = True) -> "Batch":
-        return dataclasses.replace(
-            self, **{k: getattr(self, k).to(device, non_blocking=non_blocking) for k in self._tensors()}
-        )
-
-    def extra(self) -> tuple:
-        """Method-specific arguments of the objective after the normalizer (DFlash: anchors;
-        EAGLE-3: the packed rows' sample ids)."""
-        if self.anchors is not None:
-            return (self.anchors,)
-        return () if self.doc is None else (self.doc,)
-
-
-_TENSORS = ("input_ids", "loss_mask", "aux", "final", "step_tokens", "anchors", "doc")
-
-
-@dataclass(frozen=True)
-class AnchorPlan:
-    """How the data loader draws DFlash anchors: at random per (seed, epoch, batch content), or
-    evenly spaced (epoch None: evaluation)."""
-
-    block_size: int
-    per_sample: int
-    seed: int = 0
-    epoch: int | None = None
-
-
-def collate(
-    reads: list, ttt_steps: int, sample_shape: tuple | None = None,
-    layers: Sequence[int] | None = None, anchors: AnchorPlan | None = None, rows: Rows | None = None,
-    pad_to: tuple[int, int] | None = None,
-) -> Batch:  # fmt: skip
-    """storage.Sample (or BadRead) list -> Batch of the samples; bad reads in `bad`.
-
-    rows: positions into `reads` for each batch row: several samples a row are packed one after
-    the other, with `doc` ids (`packing`; None when every row holds one sample); None: one sample
-    per row, padded to the longest. pad_to: (rows, tokens) the batch has at least (empty rows
-    and padding have no loss tokens).
-    A micro-batch whose every sample is bad becomes one 1-token row without loss tokens
-    (`sample_shape` = (L, H, dtype name)), so every process still runs its step. layers: which
-    stored aux layers (indexes into the stored order) the drafter reads, default all; anchors:
-    draw DFlash anchors (then `step_tokens` counts each block row's labels; one sample per row).
-    """
-    from draftflow.hidden_states.storage import DTYPES, BadRead
-
-    bad = tuple(r for r in reads if isinstance(r, BadRead))
-    packed = rows is not None
-    if rows is None:
-        rows = [[i] for i in range(len(reads))]
-    rows = [[reads[i] for i in row if not isinstance(reads[i], BadRead)] for row in rows]
-    rows = [row for row in rows if row]  # [B][samples of the row]
-    samples = [s for row in rows for s in row]
-    if packed and anchors is not None:
-        raise ValueError("collate: DFlash anchors need one sample per row")
-    if samples:
-        B, T = len(rows), max(sum(len(s.input_ids) for s in row) for row in rows)
-        first = samples[0].hidden  # [T, L, H]
-        L, H, dtype = first.shape[1], first.shape[2], first.dtype
-    else:
-        B, T = 1, 1
-        L, H, dtype = sample_shape[0], sample_shape[1], DTYPES[sample_shape[2]]
-    if pad_to is not None:
-        B, T = max(B, pad_to[0]), max(T, pad_to[1])
-    layers = list(range(L - 1)) if layers is None else list(layers)
-    ids = torch.zeros(B, T, dtype=torch.int64)
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    aux = torch.zeros(B, T, len(layers) * H, dtype=dtype)
-    final = torch.zeros(B, T, H, dtype=dtype)
-    doc = torch.full((B, T), -1, dtype=torch.int64)
-    for b, row in enumerate(rows):
-        start = 0
-        for d, s in enumerate(row):
-            n = s.input_ids.shape[0]
-            span = slice(start, start + n)
-            ids[b, span] = torch.from_numpy(s.input_ids)
-            mask[b, span] = torch.from_numpy(s.loss_mask.astype(bool))
-            sample_aux = s.aux if layers == list(range(L - 1)) else s.aux[:, layers]
-            aux[b, span] = sample_aux.reshape(n, -1)
-            final[b, span] = s.final
-            doc[b, span] = d
-            start += n
-    tokens = int(sum(s.input_ids.shape[0] for s in samples))
-    if anchors is None:
-        # rows of one sample each need no sample masks: attention keeps its plain causal kernel
-        doc = doc if packed and any(len(row) > 1 for row in rows) else None
-        return Batch(ids, mask, aux, final, step_token_counts(mask, ttt_steps, doc), tokens, bad, doc=doc)
-    from draftflow.drafters.dflash_loss import block_label_counts, choose_anchors, pad_anchors
-
-    rng = None
-    if anchors.epoch is not None:
-        content = zlib.crc32(b"".join(s.input_ids.tobytes() for s in samples))
-        rng = np.random.default_rng([anchors.seed, anchors.epoch, content])
-    chosen = pad_anchors([choose_anchors(s.loss_mask, anchors.per_sample, rng) for s in samples] or [np.zeros(0)])
-    counts = block_label_counts(mask, chosen, anchors.block_size)
-    return Batch(ids, mask, aux, final, counts, tokens, bad, chosen)
-
-
-class SampleDataset(torch.utils.data.Dataset):
-    """Index -> storage.Sample, or a BadRead (checked, not raised, in the workers: the main
-    process decides, with range and sample id); the reader pickles to workers."""
-
-    def __init__(self, reader):
-        self.reader = reader
-
-    def __len__(self) -> int:
-        return len(self.reader)
-
-    def __getitem__(self, key: tuple[int, int]):
-        """(row, sample index) -> (row, Sample or BadRead): the row travels to `collate_rows`."""
-        row, i = key
-        return row, self.reader.read(i)
-
-
-def collate_rows(pairs: list, shape: tuple[int, int] | None, **kwargs) -> Batch:
-    """DataLoader collate: `SampleDataset` items of one micro-batch -> `collate` with their rows.
-    shape: packed, (rows, tokens) of every micro-batch (`packing.batch_shape`); None: one sample a row."""
-    reads = [read for _, read in pairs]
-    if shape is None:
-        return collate(reads, **kwargs)
-    rows: dict[int, list[int]] = {}  # row -> positions in `reads`
-    for position, (row, _) in enumerate(pairs):
-        rows.setdefault(row, []).append(position)
-    return collate(reads, rows=list(rows.values()), pad_to=shape, **kwargs)
+# (Batch, collate and the DataLoader's dataset: `batching`; packed rows: `packing`)
 
 
 def plan_batches(
@@ -433,49 +288,8 @@ def make_loader(
     )
 
 
-# ---------------------------------------------------------------- target, drafter files
-
-
-def _target_config(target_dir: Path) -> dict:
-    try:
-        return read_json(Path(target_dir) / "config.json")
-    except FileNotFoundError:
-        raise DraftflowError(f"{target_dir}: no config.json; --target must be the target model folder") from None
-
-
-def load_target_tensors(target_dir: str | Path) -> dict[str, torch.Tensor]:
-    """{"embed": [V, H], "lm_head": [V, H]} from the target's safetensors, reading only those two."""
-    from safetensors import safe_open
-
-    target_dir = Path(target_dir)
-    index = target_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json(index)["weight_map"]
-    else:
-        files = sorted(target_dir.glob("*.safetensors"))
-        if not files:
-            raise DraftflowError(f"{target_dir}: no *.safetensors weights (other formats are not supported)")
-        weight_map = {}
-        for f in files:
-            with safe_open(str(f), "pt") as h:
-                weight_map.update({k: f.name for k in h.keys()})
-
-    def find(suffix: str) -> str | None:
-        names = sorted((n for n in weight_map if n == suffix or n.endswith("." + suffix)), key=len)
-        return names[0] if names else None
-
-    def read(name: str) -> torch.Tensor:
-        with safe_open(str(target_dir / weight_map[name]), "pt") as h:
-            return h.get_tensor(name)
-
-    embed_name = find("embed_tokens.weight")
-    if embed_name is None:
-        raise DraftflowError(f"{target_dir}: no '*embed_tokens.weight' tensor in the weights")
-    cfg = _target_config(target_dir)
-    head_name = find("lm_head.weight")
-    tied = cfg.get("tie_word_embeddings", False) or head_name is None
-    embed = read(embed_name)
-    return {"embed": embed, "lm_head": embed if tied else read(head_name)}
+# ---------------------------------------------------------------- fresh drafters
+# (drafter folders and the target's tensors: `checkpoint`)
 
 
 def build_drafter(
@@ -484,7 +298,7 @@ def build_drafter(
     """A fresh drafter (seeded) with the target's frozen embedding, plus the target's LM head."""
     from draftflow.target import target_identity
 
-    tcfg = _target_config(target_dir)
+    tcfg = target_config(target_dir)
     cfg = Eagle3Config.from_target(
         tcfg, draft_vocab_size=vocab.size, aux_layer_ids=list(s.aux_layer_ids), num_hidden_layers=s.num_hidden_layers,
         ttt_steps=s.ttt_steps, target=target_identity(target_dir), target_path=str(Path(target_dir).resolve()),
@@ -533,7 +347,7 @@ def build_dflash(
     from draftflow.target import target_identity
 
     d = s.dflash_settings
-    tcfg = _target_config(target_dir)
+    tcfg = target_config(target_dir)
     tensors = load_target_tensors(target_dir)
     mask_id, mask_token = resolve_mask_token(
         _load_tokenizer(tokenizer_dir or target_dir), tensors["embed"].shape[0], d.mask_token_id, tensors["embed"]
@@ -554,77 +368,6 @@ def build_dflash(
     log.info("DFlash: %d layers, block %d, target layers %s, mask token %d (%s)", cfg.num_hidden_layers,
              cfg.block_size, cfg.target_layer_ids, mask_id, mask_token)  # fmt: skip
     return drafter, ArgmaxHead(tensors["lm_head"]), cfg
-
-
-def save_drafter(
-    drafter: Eagle3Drafter | DFlashDrafter,
-    out_dir: str | Path,
-    dtype: torch.dtype = torch.bfloat16,
-    extra_files: dict | None = None,
-    state: dict[str, torch.Tensor] | None = None,
-) -> None:
-    """Write out_dir/config.json + model.safetensors (SGLang names; floats as `dtype`).
-
-    `state`: the tensors to write when the drafter's own are sharded (see `gather_state`).
-    """
-    from safetensors.torch import save_file
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    state = drafter.export_state_dict() if state is None else state
-    tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in state.items()}
-    with atomic_path(out_dir / "model.safetensors", mode=file_mode()) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-    config = drafter.config.to_dict()
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    write_json(out_dir / "config.json", config)
-    for name, obj in (extra_files or {}).items():
-        write_json(out_dir / name, obj)
-
-
-def drafter_method(config: dict) -> str:
-    """eagle3 | dflash, from a drafter's config.json (its architecture)."""
-    return "dflash" if DFLASH_ARCHITECTURE in (config.get("architectures") or []) else "eagle3"
-
-
-def load_drafter(
-    path: str | Path,
-    target_dir: str | Path | None = None,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> tuple[Eagle3Drafter | DFlashDrafter, Eagle3Config | DFlashConfig]:
-    """(drafter in eval mode, config) from a `save_drafter` folder of either method; the frozen
-    embedding (and DFlash's LM head) comes from `target_dir`, else the target path in config.json."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    try:
-        raw = read_json(path / "config.json")
-    except FileNotFoundError:
-        raise DraftflowError(f"{path}: no config.json; not a drafter folder") from None
-    method = drafter_method(raw)
-    config_class, model_class = (DFlashConfig, DFlashDrafter) if method == "dflash" else (Eagle3Config, Eagle3Drafter)
-    try:
-        cfg = config_class.from_dict(raw)
-    except (KeyError, ValueError) as e:
-        name = "a DFlash" if method == "dflash" else "an EAGLE-3"
-        raise DraftflowError(f"{path / 'config.json'}: not {name} drafter config: {e}") from None
-    drafter = model_class(cfg)
-    tensors = load_file(str(path / "model.safetensors"))
-    missing, unexpected = drafter.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
-        raise DraftflowError(f"{path / 'model.safetensors'}: missing tensors {missing}, unexpected {unexpected}")
-    target_dir = Path(target_dir or cfg.target_path or "")
-    if not (target_dir / "config.json").is_file():
-        raise DraftflowError(
-            f"{path}: the drafter needs its target's embedding; pass the target folder (recorded: {cfg.target_path!r})"
-        )
-    tensors = load_target_tensors(target_dir)
-    if method == "dflash":
-        drafter.set_target(tensors["embed"], tensors["lm_head"])
-    else:
-        drafter.embed_tokens.weight = tensors["embed"]
-    return drafter.to(device=device, dtype=dtype).eval(), cfg
 
 
 # ---------------------------------------------------------------- distributed
@@ -1047,39 +790,6 @@ class TrainInputs:
     state_dir: Path
     output: Path
     tokenizer: Path | None = None  # DFlash's mask token (default: the target folder's tokenizer)
-
-
-def reader_layers(range_dirs: Sequence[Path], cfg, label: str) -> list[int] | None:
-    """Where the drafter's aux layers sit among the layers the ranges store (None: all of them,
-    in order). Ranges may store more layers than a method reads (extraction captures the union
-    of every method's layers); every range must store them in the same order."""
-    from draftflow.hidden_states.storage import read_range_index
-
-    want = [int(i) for i in cfg.aux_layer_ids]
-    found = None
-    for d in range_dirs:
-        meta, _ = read_range_index(d)
-        stored_count = (meta.get("num_layers_captured") or 0) - 1
-        ids = meta.get("aux_layer_ids")
-        if ids is None and stored_count != len(want):
-            raise DraftflowError(
-                f"{d / 'index.json'}: records no aux_layer_ids for its {stored_count} aux layers, so the drafter's "
-                f"{want} cannot be picked among them; re-extract the range"
-            )
-        stored = want if ids is None else list(ids)
-        if meta.get("hidden_size") != cfg.hidden_size or stored_count != len(stored) or not set(want) <= set(stored):
-            where_ = where(d / "index.json", field="meta.aux_layer_ids")
-            raise DraftflowError(
-                f"{where_}: {label} hidden states store aux layers {stored} (+ final) with H={meta.get('hidden_size')}; "
-                f"the drafter reads aux layers {want} with H={cfg.hidden_size}: extract them (extract.aux_layer_ids"
-                " / train.dflash.target_layer_ids) or train on these"
-            )
-        if found is not None and stored != found:
-            raise DraftflowError(f"{d / 'index.json'}: stores aux layers {stored}, other ranges {found}; re-extract it")
-        found = stored
-    if found is None or found == want:
-        return None
-    return [found.index(i) for i in want]
 
 
 def _without_missing(reader, bad: "BadSamples", label: str):

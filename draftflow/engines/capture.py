@@ -15,7 +15,6 @@ return NaNs. Both must stop the pipeline, not end up in training data.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -23,7 +22,9 @@ import numpy as np
 import torch
 
 from draftflow.config import ENGINE_NUMERICS_KEYS
-from draftflow.errors import DraftflowError
+# CaptureError, EngineLayerIds and the translation table live in layer_ids (which imports
+# nothing from here); the capture engines import them through this interface.
+from draftflow.engines.layer_ids import CaptureError, EngineLayerIds, engine_layer_ids  # noqa: F401
 
 CONVENTION = (
     "aux id i = output of decoder layer i (0-based); final = last layer output after the final norm"
@@ -53,44 +54,6 @@ def layer_meanings(aux_layer_ids: Sequence[int], num_layers: int) -> list[str]:
         f"(HF output_hidden_states[{n}])"
     )
     return out
-
-
-class CaptureError(DraftflowError):
-    """A capture that must not be stored (short, wrong shape, non-finite), or an unusable engine."""
-
-
-# ---------------------------------------------------------------- layer ids per engine
-
-
-@dataclass(frozen=True)
-class EngineLayerIds:
-    """How one engine names the requested layers."""
-
-    engine: str
-    aux_ids: list[int]  # the engine's own ids for the aux layers, in config order
-    id_meaning: str  # what an engine id means, recorded in data_config.json
-    final: str  # how the engine obtains the final post-norm state
-
-    def as_json(self) -> dict:
-        return {
-            "engine": self.engine,
-            "engine_layer_ids": self.aux_ids,
-            "engine_layer_id_meaning": self.id_meaning,
-            "engine_final": self.final,
-        }
-
-
-def engine_layer_ids(
-    engine: str, aux_layer_ids: Sequence[int], num_layers: int, arch=None, version: str | None = None
-) -> EngineLayerIds:
-    """Translate config aux ids (output of layer i, 0-based) into `engine`'s own ids.
-
-    The table is `draftflow/engines/layer_ids.py` (the one place, shared with export); `arch`
-    (a layer_ids.Architecture) and `version` add what depends on the engine release.
-    """
-    from draftflow.engines.layer_ids import engine_layer_ids as _table
-
-    return _table(engine, aux_layer_ids, num_layers, arch, version)
 
 
 def layer_names(aux_layer_ids: Sequence[int]) -> list[str]:

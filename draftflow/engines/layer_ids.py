@@ -77,9 +77,31 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from draftflow.engines.capture import CaptureError, EngineLayerIds
+from draftflow.errors import DraftflowError
 
 ENGINES = ("hf", "sglang", "vllm")
+
+
+class CaptureError(DraftflowError):
+    """A capture that must not be stored (short, wrong shape, non-finite), or an unusable engine."""
+
+
+@dataclass(frozen=True)
+class EngineLayerIds:
+    """How one engine names the requested layers."""
+
+    engine: str
+    aux_ids: list[int]  # the engine's own ids for the aux layers, in config order
+    id_meaning: str  # what an engine id means, recorded in data_config.json
+    final: str  # how the engine obtains the final post-norm state
+
+    def as_json(self) -> dict:
+        return {
+            "engine": self.engine,
+            "engine_layer_ids": self.aux_ids,
+            "engine_layer_id_meaning": self.id_meaning,
+            "engine_final": self.final,
+        }
 
 # ---------------------------------------------------------------- versions
 

@@ -1,6 +1,6 @@
 """Servers: preflight checks for server-based stages, and a small OpenAI-compatible test server.
 
-Checks (each returns a preflight `CheckResult`; `server_checks` adapts them to preflight's
+Checks (each returns a `draftflow.checks.CheckResult`; `server_checks` adapts them to preflight's
 `CHECKS` signature):
 - `check_endpoint`: GET <base>/models answers within a timeout (base = e.g.
   http://127.0.0.1:30000/v1, as `regenerate.openai.endpoints` lists it);
@@ -37,8 +37,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
+from draftflow.checks import CheckResult
 from draftflow.errors import DraftflowError
-from draftflow.hidden_states.preflight import CheckResult
 
 log = logging.getLogger(__name__)
 

