@@ -72,16 +72,21 @@ def thread_env(n: int, env: dict | None = None) -> dict[str, str]:
     return out
 
 
-def vllm_cpu_env(n: int) -> dict[str, str]:
-    """vLLM's CPU build binds its model worker's OpenMP threads to cores itself ("auto": all but
-    one core of the host). Within a job of n threads: the worker on n - 1 of this process's CPUs,
-    one left for its API server and engine core (one thread in all when n is 1)."""
+def first_cpus(n: int) -> str:
+    """The first n CPUs of this process's affinity mask (e.g. a SLURM CPU set), as "0,1,…":
+    the form of VLLM_CPU_OMP_THREADS_BIND. vLLM's CPU build binds its worker's OpenMP threads
+    itself, and its "auto" takes whole NUMA nodes, less cores it reserves for its other processes."""
     try:
         cpus = sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = list(range(os.cpu_count() or 1))
-    worker = cpus[: max(1, min(n, len(cpus)) - 1)]
-    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in worker)}
+    return ",".join(str(c) for c in cpus[: max(1, min(int(n), len(cpus)))])
+
+
+def vllm_cpu_env(n: int) -> dict[str, str]:
+    """A vLLM server within a job of n threads: its worker on n - 1 of the job's CPUs, one left
+    for its API server and engine core (one thread in all when n is 1)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": first_cpus(max(1, n - 1))}
 
 
 def apply_threads(n: int) -> None:

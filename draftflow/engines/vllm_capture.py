@@ -157,12 +157,9 @@ def cpu_threads_bind(compute_threads: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for a CPU job: its first `compute_threads` CPUs (of this
     process's affinity mask, e.g. a SLURM CPU set). vLLM's 'auto' would reserve a core for its
     scheduler and one more for a KV connector, and bind to whole NUMA nodes instead."""
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = list(range(os.cpu_count() or 1))
-    n = max(1, min(int(compute_threads), len(cpus)))
-    return ",".join(str(c) for c in cpus[:n])
+    from draftflow.threads import first_cpus
+
+    return first_cpus(compute_threads)
 
 
 def requests_for(batch: Sequence[np.ndarray]) -> list[dict]:
