@@ -141,6 +141,7 @@ SPECIAL = {
     "evaluate.temperatures": [0.0, 1.0],
     "evaluate.prompt_sets.*.path": "config/prompts.txt",
     "evaluate.server.launcher": ["python3", "-m", "sglang.launch_server"],
+    "extract.vllm.python": ".venv-vllm/bin/python",
     "evaluate.server.extra_args": ["--mem-fraction-static", "0.8"],
     "evaluate.server.endpoint": "http://127.0.0.1:9",
     "evaluate.server.baseline_endpoint": "http://127.0.0.1:10",
