@@ -213,15 +213,16 @@ def validate_config(config: dict, schema: dict | None = None) -> dict:
 
 
 def _check_methods(config: dict) -> None:
-    """What the schema cannot say: DFlash is evaluated greedily, in process (hf) or served by vLLM."""
+    """What the schema cannot say: DFlash is evaluated in process (hf) at any temperature, or served
+    by vLLM greedily."""
     methods = (config.get("train") or {}).get("methods") or []
     engine = (config.get("evaluate") or {}).get("engine", "hf")
     temperatures = (config.get("evaluate") or {}).get("temperatures") or [0.0]
-    if "dflash" in methods and any(t != 0 for t in temperatures):
+    if "dflash" in methods and engine == "vllm" and any(t != 0 for t in temperatures):
         raise ConfigError(
-            f"invalid draftflow config:\n  train.methods: includes dflash, but evaluate.temperatures is {temperatures}: "
-            "DFlash is evaluated with greedy decoding only (its block proposer has no sampling path). Set "
-            "evaluate.temperatures: [0], or train.methods: [eagle3]."
+            f"invalid draftflow config:\n  train.methods: includes dflash, but evaluate.temperatures is {temperatures} "
+            "with evaluate.engine vllm: served DFlash was checked with greedy decoding only (tests/test_vllm_served.py). "
+            "Set evaluate.temperatures: [0], or evaluate.engine: hf (speculative sampling in process)."
         )
     if "dflash" in methods and engine == "sglang":
         raise ConfigError(

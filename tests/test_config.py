@@ -51,8 +51,9 @@ def test_defaults_filled_in_nested_datasets():
         ({}, "<top level>", "'datasets' is a required property"),
         ({"datasets": {"d": {"path": "x"}}, "train": {"methods": ["eagle3", "dflash"]}, "evaluate": {"engine": "sglang"}},
          "train.methods", "through SGLang measures EAGLE-3 drafters only"),  # fmt: skip
-        ({"datasets": {"d": {"path": "x"}}, "train": {"methods": ["dflash"]}, "evaluate": {"temperatures": [0, 1]}},
-         "train.methods", "DFlash is evaluated with greedy decoding only"),  # fmt: skip
+        ({"datasets": {"d": {"path": "x"}}, "train": {"methods": ["dflash"]},
+          "evaluate": {"temperatures": [0, 1], "engine": "vllm"}},
+         "train.methods", "served DFlash was checked with greedy decoding only"),  # fmt: skip
     ],
 )
 def test_errors_name_the_key(config, key, words):
@@ -61,6 +62,11 @@ def test_errors_name_the_key(config, key, words):
     message = str(err.value)
     assert f"  {key}:" in message
     assert words in message
+
+
+def test_dflash_is_evaluated_in_process_at_any_temperature():
+    config = {"datasets": {"d": {"path": "x"}}, "train": {"methods": ["dflash"]}, "evaluate": {"temperatures": [0, 1]}}
+    assert validate_config(config)["evaluate"]["temperatures"] == [0, 1]
 
 
 def test_load_config_names_the_file(tmp_path):

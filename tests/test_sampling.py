@@ -100,3 +100,31 @@ def test_expected_simulated_acceptance_equals_chain_counts_on_certain_outcomes()
     half = SimulatedAcceptance(2)
     half.add_expected(torch.full((2, 1), 0.5, dtype=torch.float64), torch.ones(2, 1, dtype=torch.bool))
     assert half.alpha == [0.5, 0.5] and half.tau == 1.75
+
+
+def test_dflash_block_sampling_through_the_hf_target_keeps_its_distribution():
+    from draftflow.drafters.dflash import DFlashConfig, DFlashDrafter
+    from draftflow.evaluation.speculative import DFlashProposer
+
+    torch.set_num_threads(1)
+    model = tiny_target(vocab=5, layers=4, seed=3)
+    torch.manual_seed(6)
+    cfg = DFlashConfig.from_target(model.config.to_dict(), num_hidden_layers=1, target_layer_ids=[0, 1, 2],
+                                   block_size=3, mask_token_id=4)  # fmt: skip
+    drafter = DFlashDrafter(cfg)
+    drafter.reset_parameters(std=0.3)
+    drafter.set_target(model.model.embed_tokens.weight.detach().clone(), model.lm_head.weight.detach().clone())
+    drafter = drafter.to(torch.float64)
+    target, proposer = Target(model, cfg.target_layer_ids), DFlashProposer(drafter)
+    prompt, n, temperature = [1, 2, 0], 1500, 1.0
+    g = torch.Generator().manual_seed(7)
+    pairs = torch.zeros(5, 5, dtype=torch.int64)
+    accepted = 0
+    for _ in range(n):
+        out = speculative_sample(target, proposer, prompt, 2, 3, set(), temperature, g)
+        pairs[out.tokens[1], out.tokens[2]] += 1
+        accepted += sum(out.accepted)
+    target.close()
+    joint = exact_marginals(model, prompt, temperature)
+    assert within_bound(pairs.flatten(), joint.flatten(), n), (pairs.double() / n - joint).abs().max()
+    assert accepted > 0  # block drafts were accepted: the acceptance path ran

@@ -241,6 +241,25 @@ class DFlashProposer:
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], new_aux: torch.Tensor | None, k: int) -> list[int]:
+        logits = self._block_logits(tokens, new_aux, k)
+        return [] if logits is None else logits.argmax(-1).tolist()
+
+    @torch.inference_mode()
+    def propose_sampled(
+        self, tokens: list[int], new_aux: torch.Tensor | None, k: int, temperature: float, generator: torch.Generator
+    ) -> tuple[list[int], torch.Tensor]:
+        """Each draft of the block sampled from softmax(its logits / temperature): (drafts, q [k, V]
+        float64, CPU). The block's positions are drafted in one forward, so draft i's distribution
+        does not depend on drafts < i; verification needs only the q each draft was drawn from."""
+        logits = self._block_logits(tokens, new_aux, k)
+        if logits is None:
+            return [], torch.zeros(0, self.drafter.config.vocab_size, dtype=torch.float64)
+        q = torch.softmax(logits.double().cpu() / temperature, -1)  # [k, V]
+        return torch.multinomial(q, 1, generator=generator)[:, 0].tolist(), q
+
+    def _block_logits(self, tokens: list[int], new_aux: torch.Tensor | None, k: int) -> torch.Tensor | None:
+        """Feeds the new target states to the cache and drafts one block: logits [min(k, B-1), V]
+        of the block's drafts, None for k = 0."""
         S = 0 if new_aux is None else new_aux.shape[0]
         n = self.rows
         if len(tokens) != n + S + 1:
@@ -252,13 +271,13 @@ class DFlashProposer:
         self.cache.append(d.context_kv(d.context(new_aux[None].to(self.device)), positions))
         self.rows = n + S
         if k == 0:
-            return []
+            return None
         B = d.block_size
         ids = torch.full((1, B), d.config.mask_token_id, dtype=torch.long, device=self.device)
         ids[0, 0] = tokens[-1]  # the last emitted token, at position n + S
         block_positions = torch.arange(n + S, n + S + B, device=self.device)[None]
         logits = d.draft(ids, block_positions, self.cache)  # [1, B, V]
-        return logits[0, 1 : 1 + min(k, B - 1)].argmax(-1).tolist()
+        return logits[0, 1 : 1 + min(k, B - 1)]
 
 
 class NgramProposer:
