@@ -389,7 +389,7 @@ def test_evaluate_stage_with_a_dflash_drafter(stage_inputs, tmp_path):
     drafter.reset_parameters(std=0.3)
     save_drafter(drafter, tmp / "dflash", dtype=torch.float32)
     settings = {"draft_tokens": [3, 2], "max_prompts": 4, "max_new_tokens": 12, "device": "cpu",
-                "aux_layer_ids": [0, 1]}  # fmt: skip
+                "aux_layer_ids": [0, 1], "temperatures": [0, 1]}  # fmt: skip
     assert cli_main([
         "evaluate", "--drafter", str(tmp / "dflash"), "--target", str(tmp / "target"),
         "--eval-ranges", str(range_dir), "--eval-data", str(tmp / "merged" / "eval.jsonl"),
@@ -408,6 +408,15 @@ def test_evaluate_stage_with_a_dflash_drafter(stage_inputs, tmp_path):
     with open(tmp_path / "eval" / "acceptance.csv") as f:
         rows = [(r["method"], r["measured"], r["draft_tokens"]) for r in csv.DictReader(f)]
     assert rows[0] == ("dflash", "simulated", "4") and ("ngram", "real", "4") in rows
+    # T = 1: speculative sampling with sampled blocks; real τ only (the simulated count is greedy's)
+    sampled = report["temperatures"]["1"]
+    assert sampled["simulated"] is None and sampled["acceptance_length_simulated"] is None
+    for k in (2, 3, 4):
+        r = sampled["dflash"][str(k)]
+        assert r["matches_greedy"] is None and r["prompts"] == len(records)
+        assert 1.0 <= r["acceptance_length"] <= k + 1
+    simulated_rows = [r for r in report["per_set"] if r.get("measured") == "simulated"]
+    assert [r["temperature"] for r in simulated_rows] == [0]
 
 
 def test_evaluate_refuses_a_drafter_trained_on_other_layers(stage_inputs, capsys):

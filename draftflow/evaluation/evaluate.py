@@ -10,8 +10,8 @@
 * **DFlash drafters** (`draftflow.drafters.dflash`): simulated over blocks anchored at every loss
   position of the eval split (`simulate_dflash`); real decoding drafts a block per verify step
   and is measured at each K in draft_tokens and at the full block (K = block_size - 1, as served).
-  Greedy (temperature 0) on the HF engine only: other temperatures and served engines are
-  refused at config time (`draftflow.config`) and here.
+  At temperatures > 0 (hf engine) the block's drafts are sampled, each from its own row's
+  distribution, and verified as any chain (real τ only: the simulated count is greedy's).
 * **Real**: greedy chain speculative decoding (`draftflow.evaluation.speculative`) with the HF target,
   for each K in draft_tokens, on every prompt set of `evaluate.prompt_sets`
   (`draftflow.evaluation.prompt_sets`: the eval split's prompts, HumanEval, MT-bench, GSM8K, any
@@ -594,11 +594,6 @@ def run_hf(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, li
     # EAGLE-3 drafts a chain of K tokens; DFlash a block of B - 1, of which K are verified: it is
     # also evaluated at its full block, as served.
     method = "dflash" if isinstance(cfg, DFlashConfig) else "eagle3"
-    if method == "dflash" and any(t != 0 for t in settings.temperatures):
-        raise DraftflowError(
-            f"{inputs.drafter}: a DFlash drafter is evaluated greedily (temperature 0) only; evaluate.temperatures "
-            f"is {list(settings.temperatures)}: set it to [0]"
-        )
     ks = sorted(set(settings.draft_tokens) | ({cfg.block_size - 1} if method == "dflash" else set()))
     k_max = max(ks)
     layers = reader_layers(reader.range_dirs, cfg, "eval") if reader is not None else None
@@ -618,9 +613,11 @@ def run_hf(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, li
     outputs: list[dict] = []
     for temperature in settings.temperatures:
         simulated = SimulatedAcceptance(drafter.block_size - 1 if method == "dflash" else k_max)
-        if reader is not None and method == "dflash":
+        # DFlash's simulated acceptance counts greedy hits: at T > 0 it has none (real τ only)
+        simulating = reader is not None and not (method == "dflash" and temperature > 0)
+        if simulating and method == "dflash":
             simulated = simulate_dflash(drafter, reader, layers, on_bad_sample=settings.on_bad_sample)
-        elif reader is not None:
+        elif simulating:
             simulated = simulate(drafter, head, reader, k_max, temperature=temperature,
                                  on_bad_sample=settings.on_bad_sample, layers=layers)  # fmt: skip
         log.info("T=%g: simulated τ (K=%d) %.3f over %d samples", temperature, simulated.steps, simulated.tau,
@@ -641,8 +638,8 @@ def run_hf(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, li
             "acceptance_length": pooled[method][k_max].stats.tau,
             "acceptance_length_measured": f"real: {how} against the target, K={k_max}, tokens per verify "
             "step, all prompt sets",
-            "acceptance_length_simulated": simulated.tau,
-            "simulated": simulated.as_json(),
+            "acceptance_length_simulated": simulated.tau if simulating else None,
+            "simulated": simulated.as_json() if simulating else None,
             method: {str(k): r.as_json(reference.seconds) for k, r in pooled[method].items()},
             "ngram": {str(k): r.as_json(reference.seconds) for k, r in pooled["ngram"].items()},
             "greedy" if temperature == 0 else "reference": {
@@ -651,7 +648,7 @@ def run_hf(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, li
         }  # fmt: skip
         for ps in sets:
             rows += hf_rows(ps.name, per_set[ps.name][0], per_set[ps.name][1], temperature)
-        if inputs.eval_ranges:
+        if simulating:
             rows.append(simulated_row(simulated, temperature, method))
         outputs += [{"prompt_set": ps.name, "temperature": temperature, **o} for ps in sets for o in per_set[ps.name][2]]
 
@@ -876,7 +873,7 @@ def main(args: argparse.Namespace) -> int:
     k = str(max(int(k) for k in report[method])) if report[method] else None
     log.info("%s acceptance length (%s, K=%s): %s", method, report["engine"], k, report["acceptance_length"])
     if report["ngram"]:
-        log.info("simulated %.3f; n-gram baseline %.3f", report["acceptance_length_simulated"],
+        log.info("simulated %s; n-gram baseline %.3f", report["acceptance_length_simulated"],
                  report["ngram"][k]["acceptance_length"])  # fmt: skip
     for name in report["prompt_sets"]:
         taus = [f"K={r['draft_tokens']} t={r['temperature']:g}: {r['acceptance_length']:.3f}" for r in report["per_set"]
