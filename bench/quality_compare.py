@@ -256,27 +256,30 @@ def reuse_trained(work: Path, trainer: str) -> dict:
 # ---------------------------------------------------------------- evaluation
 
 
-def evaluate(inp: Inputs, drafter: Path, out: Path, a) -> dict:
+def evaluate(inp: Inputs, drafter: Path, out: Path, a, state_dir: Path | None = None) -> dict:
+    """`draftflow evaluate` of one drafter; state_dir keeps each finished (prompt set, temperature)."""
+    resume = ["--state-dir", str(state_dir)] if state_dir else []
     run(
         draftflow_cmd(
-            "evaluate", "--drafter", str(drafter), "--target", str(inp.target),
+            "--threads", str(a.threads), "evaluate", "--drafter", str(drafter), "--target", str(inp.target),
             "--eval-ranges", *map(str, inp.eval_ranges), "--eval-data", str(inp.eval_data),
-            "--settings", json.dumps(inp.evaluate), "--output-dir", str(out),
+            "--settings", json.dumps(inp.evaluate), "--output-dir", str(out), *resume,
         ),
         out / "evaluate.log", child_env(a.threads),
     )  # fmt: skip
     report = json.loads((out / "acceptance.json").read_text())
     figures = {}
+    method = report.get("method", "eagle3")
     for temp, part in report["temperatures"].items():
         figures[temp] = {
-            "real": {k: round(v["acceptance_length"], 4) for k, v in part["eagle3"].items()},
-            "simulated": round(part["acceptance_length_simulated"], 4),
+            "real": {k: round(v["acceptance_length"], 4) for k, v in part[method].items()},
+            "simulated": None if part["simulated"] is None else round(part["acceptance_length_simulated"], 4),
             "ngram": {k: round(v["acceptance_length"], 4) for k, v in part["ngram"].items()},
-            "alpha_real": {k: [round(x, 3) for x in v["alpha"]] for k, v in part["eagle3"].items()},
-            "alpha_simulated": [round(x, 3) for x in part["simulated"]["alpha"]],
+            "alpha_real": {k: [round(x, 3) for x in v["alpha"]] for k, v in part[method].items()},
+            "alpha_simulated": None if part["simulated"] is None else [round(x, 3) for x in part["simulated"]["alpha"]],
         }
         if temp == "0":
-            figures[temp]["matches_greedy"] = {k: v["matches_greedy"] for k, v in part["eagle3"].items()}
+            figures[temp]["matches_greedy"] = {k: v["matches_greedy"] for k, v in part[method].items()}
     return figures
 
 
@@ -321,6 +324,9 @@ def main(argv=None) -> int:
     p.add_argument("--sim-only", action="store_true",
                    help="ours only: no `draftflow evaluate`; τ = the training's own simulated τ on the eval split "
                    "(eval.json, K = ttt_steps; what a sweep needs)")  # fmt: skip
+    p.add_argument("--train-only", action="store_true",
+                   help="no `draftflow evaluate`: train (and import) only; evaluate later, e.g. one process per "
+                   "temperature (bench/real_target.py evaluate)")  # fmt: skip
     p.add_argument("--eval-only", action="store_true",
                    help="evaluate the drafters an earlier run trained in --work (same trainers, label, seeds) again, "
                    "e.g. with other --set evaluate.KEY=VALUE")  # fmt: skip
@@ -348,7 +354,9 @@ def main(argv=None) -> int:
                 (work / "train_info.json").write_text(json.dumps({k: v for k, v in info.items() if k != "settings"},
                                                                  default=str))  # fmt: skip
             log.info("evaluating %s (trained in %s s)", tag, info["train_seconds"])
-            if a.sim_only:
+            if a.train_only:
+                tau = {}
+            elif a.sim_only:
                 summary = json.loads((info["drafter"] / "eval.json").read_text())
                 tau = {"0": {"simulated": round(summary["tau"], 4), "real": {},
                              "alpha_simulated": [round(x, 3) for x in summary["step_alpha"]]}}  # fmt: skip
@@ -358,7 +366,7 @@ def main(argv=None) -> int:
                          "train_seconds": round(info["train_seconds"], 1) if info["train_seconds"] else None,
                          **{k: v for k, v in info.items() if k in ("train_tokens", "optimizer_steps")}})  # fmt: skip
             log.info("%s: %s", tag, json.dumps(tau))
-        result["trainers"][trainer] = {"runs": runs, "summary": spread(runs)}
+        result["trainers"][trainer] = {"runs": runs, "summary": spread(runs) if not a.train_only else {}}
     line = json.dumps(result)
     print(line, flush=True)
     if a.output:

@@ -18,6 +18,8 @@ and settings give the same model.
                                    responses with the target itself: the seed's A2 pattern)
               heldout_prompts.jsonl prompts from held-out B (an evaluation prompt set)
               config-eagle3.yaml / config-dflash.yaml  the workflow's configs on this target
+    variant the train (and evaluate) rule's own command with settings changed (from a Snakemake log)
+    evaluate `draftflow evaluate` of one drafter at one temperature (and prompt set): one process each
     table   the BENCHMARKS table rows from acceptance.json files
 
     python3 bench/real_target.py build --work /tmp/rt --humaneval HumanEval.jsonl.gz   # H200: 152 s
@@ -380,8 +382,8 @@ def _gzip_lines(path: Path):
 
 
 def write_configs(work: Path, a) -> None:
-    """config-eagle3.yaml (EAGLE-3, T = 0 and 1) and config-dflash.yaml (DFlash, T = 0: the
-    workflow evaluates DFlash greedy only); both share one results folder and extraction."""
+    """config-eagle3.yaml (EAGLE-3) and config-dflash.yaml (DFlash), both at T = 0 and 1; they
+    share one results folder and extraction."""
     import yaml
 
     tiny = a.tiny
@@ -420,7 +422,6 @@ def write_configs(work: Path, a) -> None:
     (work / "config-eagle3.yaml").write_text(yaml.safe_dump(base, sort_keys=False))
     dflash = json.loads(json.dumps(base))
     dflash["train"]["methods"] = ["dflash"]
-    dflash["evaluate"]["temperatures"] = [0]
     (work / "config-dflash.yaml").write_text(yaml.safe_dump(dflash, sort_keys=False))
 
 
@@ -506,6 +507,31 @@ def variant(a) -> None:
     log(f"variant {a.name}: evaluate rc {rc}")
 
 
+def evaluate_drafter(a) -> None:
+    """`draftflow evaluate` of one drafter at one temperature, with the workflow config's evaluate
+    settings (bench/quality_compare.py builds the same command): one process per drafter and
+    temperature, so that a call's evaluations run side by side (on the CPU: the target is small
+    enough that eager decoding there is bound by the host, like on the GPU)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import quality_compare as qc
+
+    ns = argparse.Namespace(results=a.results, config=a.config, set=a.set, temperatures=[a.temperature],
+                            device=a.device, work=a.out.parent, threads=a.threads)  # fmt: skip
+    inp = qc.Inputs(ns)
+    if a.prompt_set:  # one prompt set per process: the call's evaluations split finer
+        sets = inp.evaluate["prompt_sets"]
+        if a.prompt_set not in sets:
+            raise SystemExit(f"--prompt-set {a.prompt_set}: the config's prompt sets are {sorted(sets)}")
+        inp.evaluate["prompt_sets"] = {a.prompt_set: sets[a.prompt_set]}
+    a.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    figures = qc.evaluate(inp, a.drafter.resolve(), a.out, ns, state_dir=a.out / "eval-state")
+    (a.out / "figures.json").write_text(json.dumps({"drafter": str(a.drafter), "temperature": a.temperature,
+                                                    "device": a.device, "seconds": round(time.perf_counter() - t0, 1),
+                                                    "tau": figures}, indent=1))  # fmt: skip
+    log(f"evaluate {a.drafter} T={a.temperature:g}: {json.dumps(figures)}")
+
+
 def tau_from_alpha(alpha: list[float], k: int) -> float:
     """τ = 1 + Σ_{k' <= k} Π_{j <= k'} α_j (DESIGN.md §3)."""
     tau, run = 1.0, 1.0
@@ -567,6 +593,16 @@ def main(argv=None) -> int:
     v.add_argument("--threads", type=int)
     v.add_argument("--wait-s", type=float, default=0)
     v.add_argument("--train-ranges-from", help="hidden_states folder of another extraction (train/, eval/)")
+    e = sub.add_parser("evaluate")
+    e.add_argument("--results", type=Path, required=True, help="the workflow's results folder (target, hidden states)")
+    e.add_argument("--config", type=Path, required=True, help="its config (evaluate settings)")
+    e.add_argument("--drafter", type=Path, required=True)
+    e.add_argument("--temperature", type=float, required=True)
+    e.add_argument("--out", type=Path, required=True)
+    e.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    e.add_argument("--threads", type=int, default=2)
+    e.add_argument("--set", action="append", default=[], metavar="evaluate.KEY=JSON")
+    e.add_argument("--prompt-set", help="measure this prompt set of the config only")
     t = sub.add_parser("table")
     t.add_argument("acceptance", nargs="+", metavar="LABEL=acceptance.json")
     a = p.parse_args(argv)
@@ -574,6 +610,8 @@ def main(argv=None) -> int:
         build(a)
     elif a.cmd == "variant":
         variant(a)
+    elif a.cmd == "evaluate":
+        evaluate_drafter(a)
     elif a.cmd == "configs":
         a.work.mkdir(parents=True, exist_ok=True)
         write_configs(a.work.resolve(), a)

@@ -7,9 +7,14 @@
 #      EAGLE-3, T 0 for DFlash; simulated τ; n-gram), plus recipe variants through the same
 #      commands. Returns the target (tar in 15 MB parts), the regenerated conversations and
 #      every figure.
-#   B  with A's target and conversations carried back in rtdata/: the workflow again from those
-#      conversations (not regenerated), our EAGLE-3, speculators 0.9's EAGLE-3 on the same converted
-#      data (bench/quality_compare.py), fp8 storage and further variants.
+#   B  with A's target carried back in rtdata/: the workflow again (regenerated again), our EAGLE-3,
+#      speculators 0.9's EAGLE-3 on the same converted data (bench/quality_compare.py) and variants.
+#   S  (sweep) build the target and the data stages as A, return the target and the regenerated
+#      conversations, then train recipe variants for their simulated τ only (SIM_VARIANTS; DFlash
+#      through the workflow's train rule and DFLASH_VARIANTS).
+#   C  (compare) with S's target and conversations in rtdata/ (not regenerated): the data stages,
+#      lossless and fp8 side by side; our EAGLE-3 and speculators' at each of LRS, our DFlash; then
+#      every drafter evaluated by `draftflow evaluate`, one process per drafter and temperature.
 #
 # Everything is killed at DEADLINE seconds (default 545) and what finished is packed into $OUT.
 set -u -o pipefail
@@ -50,10 +55,8 @@ EOF
     tar -C "$W" -czf "$OUT/results.tgz" --exclude='hidden_states/*/rows_*' --exclude='*/store' --exclude='*/state' \
         --exclude='*.safetensors' --exclude='*/speculators_data' --exclude='*/run' --exclude='target*' \
         --exclude='*/datasets' --exclude='*/tokenized' --exclude='*/merged/train.jsonl' --exclude='regenerated.jsonl' . 2>/dev/null
-    # finished prompt sets of evaluations that the deadline cut short (their per-set counts)
-    (cd "$W" && find . -path '*state/evaluate*' -name '*.json' -o -path '*eval-state*' -name '*.json') \
-        | tar -C "$W" -czf "$OUT/eval-state.tgz" -T - 2>/dev/null
-    ls -la "$OUT" >&2
+    # (results.tgz also holds the finished prompt sets of evaluations a deadline cut short: */eval-state)
+    ls -la "$OUT" >&2  # a call returns at most 8 files
 }
 
 wait_all() {  # wait for the given pids, killing everything at the deadline
@@ -65,6 +68,8 @@ wait_all() {  # wait for the given pids, killing everything at the deadline
             note "deadline: killing what still runs"
             for p in "$@"; do kill -- -"$p" 2>/dev/null || kill "$p" 2>/dev/null; done
             pkill -P $$ 2>/dev/null
+            # what runs in subshells without a process group of its own (eval_when_ready)
+            pkill -f 'draftflow\.cli|scripts/bin/draftflow|bench/real_target\.py|bench/quality_compare\.py|-m snakemake|speculators\.train' 2>/dev/null
             sleep 2
             return 1
         fi
@@ -77,6 +82,56 @@ variant() {  # NAME LOG [args...]: in the background, its own process group
     shift 2
     setsid python3 bench/real_target.py variant --work "$W" --name "$name" --log "$logf" --wait-s 400 "$@" \
         > "$W/variant-$name.log" 2>&1 &
+    echo $!
+}
+
+regenerated_out() {  # the regenerated conversations, for a later call (C) to train on without regenerating
+    python3 - "$W" <<'EOF'
+import sys, pathlib, json, gzip
+from draftflow.jsonl import read_jsonl
+w = pathlib.Path(sys.argv[1])
+with gzip.open(w / "regenerated.jsonl.gz", "wt") as f:
+    for shard in sorted((w / "results/regenerated/code").glob("shard-*.jsonl.zst")):
+        for r in read_jsonl(shard):
+            f.write(json.dumps({"id": r["id"], "messages": r["messages"]}) + "\n")
+EOF
+    cp "$W/regenerated.jsonl.gz" "$OUT/"
+}
+
+sim_variant() {  # NAME:KEY=VALUE[,...]: our EAGLE-3 trained with those train keys, simulated τ only
+    local spec="$1" name="${1%%:*}" sets=()
+    IFS=, read -ra kv <<< "${spec#*:}"
+    for x in "${kv[@]}"; do [ -n "$x" ] && sets+=(--set "train.$x"); done
+    setsid python3 bench/quality_compare.py --results "$W/results" --config "$W/config-eagle3.yaml" --work "$W/qc" \
+        --trainers ours --sim-only --device "${DEVICE:-cuda}" --threads 2 --label "$name" --set train.num_workers=1 \
+        "${sets[@]}" --output "$W/qc.jsonl" \
+        > "$W/qc-$name.log" 2>&1 &
+    echo $!
+}
+
+eval_when_ready() {  # NAME DRAFTER READY: once the file READY exists, evaluate DRAFTER at T = 0 and 1, side by side
+    local name="$1" drafter="$2" ready="$3"
+    (
+        while [ ! -e "$ready" ]; do
+            [ "$(elapsed)" -ge "$DEADLINE" ] && exit 1
+            sleep 5
+        done
+        note "evaluating $name"
+        for t in ${EVAL_TEMPS:-0 1}; do
+            for ps in ${EVAL_SETS:-heldout humaneval}; do
+                for seed in ${EVAL_SEEDS:-0}; do  # evaluate.seed: the sampling draws at T > 0
+                    tag="$ps-T$t"
+                    [ "$seed" != 0 ] && tag="$tag-seed$seed"
+                    python3 bench/real_target.py evaluate --results "$W/results" --config "$W/config-eagle3.yaml" \
+                        --drafter "$drafter" --temperature "$t" --prompt-set "$ps" --device "${EVAL_DEVICE:-cpu}" \
+                        --set "evaluate.seed=$seed" --threads "${EVAL_THREADS:-1}" --out "$W/evals/$name/$tag" \
+                        > "$W/eval-$name-$tag.log" 2>&1 &
+                done
+            done
+        done
+        wait
+        note "evaluated $name"
+    ) > /dev/null 2>&1 &
     echo $!
 }
 
@@ -110,6 +165,110 @@ EOF
     v3=$(variant dflash-lr4e-3 "$W/smk-dflash.log" "${EV[@]}" --set learning_rate=0.004)
     wait_all "$p1" "$p2" "$v1" "$v2" "$v3"
     note "main runs and first variants done"
+    collect
+elif [ "$mode" = S ]; then
+    python3 bench/real_target.py build --work "$W" --humaneval "$HE" --max-prompts "${MAX_PROMPTS:-10}" \
+        --epochs "${EPOCHS:-3}" --learning-rate "${LR:-0.0001}" ${BUILD_ARGS:-} ${CONFIG_ARGS:-} \
+        > "$W/build.json" 2> "$W/build.log" || { note "build failed"; tail -30 "$W/build.log"; collect; exit 1; }
+    note "target built: $(head -c 600 "$W/target/build_log.json" | tr -d '\n' | cut -c1-300)"
+    (cd "$W" && tar -cf - target heldout_prompts.jsonl) | split -b 15M -d - "$OUT/target.tar."  # C needs no regen prompts
+    "${SMK[@]}" "$W/results/hidden_states/data_config.json" "$W/results/vocab/draft_vocab.safetensors" \
+        --configfile "$W/config-eagle3.yaml" > "$W/smk-data.log" 2>&1 || { note "data stages failed"; tail -40 "$W/smk-data.log"; collect; exit 1; }
+    note "data stages done"
+    regenerated_out
+    ln -sfn "$W/target" "$W/results/target"
+    setsid "${SMK[@]}" "$W/results/drafter/dflash" --configfile "$W/config-dflash.yaml" > "$W/smk-dflash.log" 2>&1 &
+    pids=("$!")
+    for spec in ${SIM_VARIANTS:-base:}; do  # NAME:KEY=VALUE[,KEY=VALUE] (train keys): our EAGLE-3, simulated τ
+        pids+=("$(sim_variant "$spec")")
+    done
+    for spec in ${DFLASH_VARIANTS:-}; do  # NAME:KEY=VALUE[,...] (dflash.KEY nests): the train rule's command
+        name="${spec%%:*}"
+        sets=()
+        IFS=, read -ra kv <<< "${spec#*:}"
+        for x in "${kv[@]}"; do [ -n "$x" ] && sets+=(--set "$x"); done
+        pids+=("$(variant "$name" "$W/smk-dflash.log" --threads 2 --set runtime.num_workers=1 "${sets[@]}")")
+    done
+    wait_all "${pids[@]}"
+    note "done"
+    collect
+elif [ "$mode" = C ]; then
+    if [ -e rtdata/target.tar.00 ]; then  # S's target and conversations, carried
+        cat rtdata/target.tar.* | tar -C "$W" -xf - || exit 1
+        gunzip -c rtdata/regenerated.jsonl.gz > "$W/regenerated.jsonl" || exit 1
+        python3 bench/real_target.py configs --work "$W" --humaneval "$HE" --max-prompts "${MAX_PROMPTS:-10}" \
+            --epochs "${EPOCHS:-3}" --learning-rate "${LR:-0.0001}" --data-path "$W/regenerated.jsonl" ${CONFIG_ARGS:-} || exit 1
+    else  # built again (the same seed and data), and regenerated by the workflow as in S
+        python3 bench/real_target.py build --work "$W" --humaneval "$HE" --max-prompts "${MAX_PROMPTS:-10}" \
+            --epochs "${EPOCHS:-3}" --learning-rate "${LR:-0.0001}" ${BUILD_ARGS:-} ${CONFIG_ARGS:-} \
+            > "$W/build.json" 2> "$W/build.log" || { note "build failed"; tail -30 "$W/build.log"; collect; exit 1; }
+        note "target built: $(grep -o 'ppl [0-9.]*' "$W/build.log" | tail -1)"
+        (cd "$W" && tar -cf - target heldout_prompts.jsonl) | split -b 15M -d - "$OUT/target.tar."
+    fi
+    # the same data stages into a second results folder with fp8 storage (fp8 against lossless)
+    python3 - "$W" <<'EOF'
+import sys, pathlib, yaml
+w = pathlib.Path(sys.argv[1])
+c = yaml.safe_load((w / "config-eagle3.yaml").read_text())
+c["results"] = str(w / "results-fp8")
+c["extract"]["storage"] = "fp8"
+(w / "config-fp8.yaml").write_text(yaml.safe_dump(c, sort_keys=False))
+EOF
+    DATA=(hidden_states/data_config.json vocab/draft_vocab.safetensors)
+    "${SMK[@]}" "${DATA[@]/#/$W/results/}" --configfile "$W/config-eagle3.yaml" > "$W/smk-data.log" 2>&1 \
+        || { note "data stages failed"; tail -40 "$W/smk-data.log"; collect; exit 1; }
+    note "data stages done"
+    [ -e "$W/regenerated.jsonl" ] || regenerated_out
+    # fp8: the data stages before extraction are the lossless run's (linked, so Snakemake finds them
+    # done); a dry run must plan extraction only, else fp8 is skipped (nothing writes through the links)
+    mkdir -p "$W/results-fp8"
+    for d in datasets regenerated tokenized merged; do
+        [ -e "$W/results/$d" ] && ln -sfn "$W/results/$d" "$W/results-fp8/$d"
+    done
+    pfp8=0
+    if [ -n "${NO_FP8:-}" ]; then
+        note "fp8 not run (NO_FP8)"
+    elif "${SMK[@]}" --nolock -n "${DATA[@]/#/$W/results-fp8/}" --configfile "$W/config-fp8.yaml" \
+        > "$W/smk-fp8-plan.log" 2>&1 && ! grep -qE '^(prepare|regenerate|tokenize|merge) +[0-9]' "$W/smk-fp8-plan.log"; then
+        setsid "${SMK[@]}" --nolock "${DATA[@]/#/$W/results-fp8/}" --configfile "$W/config-fp8.yaml" > "$W/smk-fp8.log" 2>&1 &
+        pfp8=$!
+    else
+        note "fp8 skipped: its dry run plans more than extraction ($W/smk-fp8-plan.log)"
+    fi
+    ln -sfn "$W/target" "$W/results/target"
+    pids=()
+    if [ -z "${NO_DFLASH:-}" ]; then
+        setsid "${SMK[@]}" --nolock "$W/results/drafter/dflash" --configfile "$W/config-dflash.yaml" > "$W/smk-dflash.log" 2>&1 &
+        pids+=("$!")
+        pids+=("$(eval_when_ready dflash "$W/results/drafter/dflash" "$W/results/drafter/dflash/eval.json")")
+    fi
+    for lr in ${LRS:-${LR:-0.0001}}; do
+        for trainer in ${TRAINERS:-ours speculators}; do
+            setsid python3 bench/quality_compare.py --results "$W/results" --config "$W/config-eagle3.yaml" --work "$W/qc" \
+                --trainers "$trainer" --train-only --device "${DEVICE:-cuda}" --threads 2 --spec-kernels eager \
+                --set "train.learning_rate=$lr" --label "lr$lr" --output "$W/qc.jsonl" > "$W/qc-$trainer-$lr.log" 2>&1 &
+            pids+=("$!")
+            tag="$trainer-lr$lr-s0"
+            [ "$trainer" = speculators ] && tag="speculators-own-lr$lr-s0"
+            pids+=("$(eval_when_ready "$trainer-lr$lr" "$W/qc/$tag/drafter" "$W/qc/$tag/train_info.json")")
+        done
+    done
+    if [ "$pfp8" != 0 ]; then
+      pids+=("$pfp8")
+      (  # fp8: our EAGLE-3 at the first of LRS on the fp8 store, simulated τ
+        while kill -0 "$pfp8" 2>/dev/null; do sleep 3; done
+        [ -e "$W/results-fp8/hidden_states/data_config.json" ] || exit 1
+        ln -sfn "$W/target" "$W/results-fp8/target"
+        lr=${LRS:-${LR:-0.0001}}
+        lr=${lr%% *}
+        python3 bench/quality_compare.py --results "$W/results-fp8" --config "$W/config-fp8.yaml" --work "$W/qc-fp8" \
+            --trainers ours --sim-only --device "${DEVICE:-cuda}" --threads 2 --set "train.learning_rate=$lr" --label "fp8-lr$lr" \
+            --output "$W/qc.jsonl" > "$W/qc-fp8.log" 2>&1
+      ) &
+      pids+=("$!")
+    fi
+    wait_all "${pids[@]}"
+    note "done"
     collect
 elif [ "$mode" = B ]; then
     # the target of call A (rtdata/target.tar.*), regenerated again through the workflow
