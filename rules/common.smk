@@ -230,6 +230,19 @@ def range_dirs(split: str) -> list[str]:
     return [f"{RESULTS}/hidden_states/{split}/{r['name']}" for r in ranges(split)]
 
 
+def eval_range_dirs() -> list[str]:
+    """The eval split's range folders for training, which measures the drafter on
+    them: an empty eval split stops the plan here, with the fix."""
+    dirs = range_dirs("eval")
+    if not dirs:
+        raise WorkflowError(
+            f"{RESULTS}/merged/manifest.json: the eval split is empty (every sample went to train), but "
+            "training measures the drafter on it. Raise merge.eval_fraction or merge.min_eval_samples "
+            "(with at least one sample more than it), or add data."
+        )
+    return dirs
+
+
 def range_of(wildcards) -> dict:
     name = f"rows_{wildcards.start}-{wildcards.end}"
     for entry in ranges(wildcards.split):

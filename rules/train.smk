@@ -25,7 +25,7 @@ rule vocab:
 rule train:
     input:
         train=lambda w: range_dirs("train"),
-        eval=lambda w: range_dirs("eval"),
+        eval=lambda w: eval_range_dirs(),
         vocab=lambda w: vocab_input(w.method),
         target=target_input(),
     output:

@@ -198,6 +198,21 @@ def test_rejected_records_are_counted_in_manifest_and_stats(merged_workflow):
     assert rows[("flaky", "train")]["rejected"] == ""
 
 
+def test_an_empty_eval_split_stops_the_plan_before_training(merged_workflow, tmp_path):
+    workdir = tmp_path / "wf"
+    shutil.copytree(merged_workflow, workdir, symlinks=True)
+    config = small_config()
+    config["merge"].update(eval_fraction=0, min_eval_samples=0)
+    write_config(workdir, config, "no-eval.yaml")
+    snakemake(workdir, "results/merged/manifest.json", "--configfile=config/no-eval.yaml")
+    manifest = json.loads((workdir / "results" / "merged" / "manifest.json").read_text())
+    assert manifest["ranges"]["eval"] == [] and manifest["ranges"]["train"]
+    proc = snakemake(workdir, "-n", "results/drafter/eagle3", "--configfile=config/no-eval.yaml", check=False)
+    assert proc.returncode != 0
+    assert "merged/manifest.json: the eval split is empty" in proc.stdout + proc.stderr
+    assert "merge.min_eval_samples" in proc.stdout + proc.stderr
+
+
 def test_merge_seed_reruns_merge_only(merged_workflow):
     config = small_config()
     config["merge"]["seed"] = 7
