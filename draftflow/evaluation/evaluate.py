@@ -726,8 +726,8 @@ def run_served_engine(inputs: EvaluateInputs, settings: EvaluateSettings) -> tup
             )
         if any(t != 0 for t in settings.temperatures):
             raise DraftflowError(
-                f"{inputs.drafter}: a DFlash drafter is evaluated greedily (temperature 0) only; evaluate.temperatures "
-                f"is {list(settings.temperatures)}: set it to [0]"
+                f"{inputs.drafter}: a DFlash drafter served by vLLM is evaluated greedily (temperature 0) only; "
+                f"evaluate.temperatures is {list(settings.temperatures)}: set it to [0], or evaluate.engine: hf"
             )
         draft_tokens = (dflash_block_size(inputs.drafter) - 1,)  # served at its full block, as exported
     server = ServerSettings.from_dict(settings.server)
