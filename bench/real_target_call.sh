@@ -243,7 +243,7 @@ EOF
         pids+=("$(eval_when_ready dflash "$W/results/drafter/dflash" "$W/results/drafter/dflash/eval.json")")
     fi
     for lr in ${LRS:-${LR:-0.0001}}; do
-        for trainer in ${TRAINERS:-ours speculators}; do
+        for trainer in ${TRAINERS-ours speculators}; do  # TRAINERS="" trains neither (DFlash only)
             setsid python3 bench/quality_compare.py --results "$W/results" --config "$W/config-eagle3.yaml" --work "$W/qc" \
                 --trainers "$trainer" --train-only --device "${DEVICE:-cuda}" --threads 2 --spec-kernels eager \
                 --set "train.learning_rate=$lr" --label "lr$lr" --output "$W/qc.jsonl" > "$W/qc-$trainer-$lr.log" 2>&1 &
