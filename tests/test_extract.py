@@ -195,6 +195,18 @@ def test_gpus_requested_without_cuda_falls_back_to_cpu(target, split, tmp_path, 
     assert "CUDA_VISIBLE_DEVICES" not in os.environ  # and released
 
 
+def test_a_cpu_extraction_on_a_gpu_host_warns_with_the_key(target, split, tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv(FAKE_GPU_COUNT_ENV, "2")  # the host has GPUs; gpus_per_job is the schema's 0
+    path, _ = split
+    with caplog.at_level("WARNING"):
+        outcome = run_extract(path, "train", 0, 2, target, tmp_path / "store", settings(gpus_per_job=0),
+                              tmp_path / "rows", gpu_lock_dir=tmp_path / "locks")  # fmt: skip
+    assert outcome.stats.computed == 2
+    assert "extraction runs on the CPU although this host has 2 GPU(s): extract.gpus_per_job is 0" in caplog.text
+    assert not (tmp_path / "locks").exists()  # nothing was claimed
+
+
 N = 24  # samples in the resume test's range
 
 

@@ -128,3 +128,17 @@ def test_too_few_gpus_and_cpu_cases(tmp_path, clean_env):
     clean_env.setenv(FAKE_GPU_COUNT_ENV, "0")
     with claim_gpus(1, tmp_path / "locks") as claim:  # no GPUs on the host: CPU, with a warning
         assert claim.device == "cpu"
+
+
+def test_a_cpu_stage_on_a_gpu_host_says_which_key_moves_it(monkeypatch, caplog):
+    from draftflow.gpu import warn_if_gpus_idle
+
+    monkeypatch.setenv(FAKE_GPU_COUNT_ENV, "2")
+    with caplog.at_level("WARNING", logger="draftflow.gpu"):
+        warn_if_gpus_idle("extraction", "extract.gpus_per_job")
+    assert "extraction runs on the CPU although this host has 2 GPU(s): extract.gpus_per_job is 0" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv(FAKE_GPU_COUNT_ENV, "0")  # a CPU-only host: nothing to say
+    with caplog.at_level("WARNING", logger="draftflow.gpu"):
+        warn_if_gpus_idle("extraction", "extract.gpus_per_job")
+    assert caplog.text == ""

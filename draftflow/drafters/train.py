@@ -55,6 +55,7 @@ from draftflow.drafters.eagle3 import VARIANT_FLAGS, Eagle3Config, Eagle3Drafter
 from draftflow.drafters.losses import LOSSES
 from draftflow.drafters.packing import Rows, batch_shape, plan_packed
 from draftflow.errors import DraftflowError, reject_unknown_keys
+from draftflow.gpu import warn_if_gpus_idle
 from draftflow.jsonl import atomic_path, fsync_dir, read_json, write_json
 from draftflow.progress import Progress as ProgressLog
 from draftflow.threads import default_threads, split_threads
@@ -1041,6 +1042,8 @@ def main(args: argparse.Namespace) -> int:
     env = init_distributed(settings.gpus)
     if not env.is_main:
         logging.getLogger().setLevel(logging.WARNING)
+    elif settings.gpus == 0:
+        warn_if_gpus_idle("training", "train.gpus")
     try:
         inputs = TrainInputs(
             list(args.train_ranges), list(args.eval_ranges), args.target, args.vocab, args.state_dir, args.output,

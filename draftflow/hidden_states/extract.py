@@ -676,7 +676,7 @@ def run_extract(
     engine_factory: Callable[[dict, Path, list[str]], CaptureEngine] = make_capture_engine,
 ) -> RangeOutcome:
     """The `draftflow extract` command: read the range, claim GPUs, capture, write the index."""
-    from draftflow.gpu import claim_gpus
+    from draftflow.gpu import claim_gpus, warn_if_gpus_idle
 
     settings = resolve_settings(settings, target_dir)
     records = read_records(input_path, start, end)
@@ -687,6 +687,8 @@ def run_extract(
     label = f"{split} rows_{start}-{end}"
     device = settings.get("device", "auto")
     wants_gpu = device != "cpu" and int(settings.get("gpus_per_job", 0)) > 0
+    if device == "auto" and not wants_gpu:
+        warn_if_gpus_idle("extraction", "extract.gpus_per_job")
     with claim_gpus(int(settings["gpus_per_job"]) if wants_gpu else 0, gpu_lock_dir) as claim:
         devices = resolve_devices(device, claim.ids)
         engine = engine_factory(settings, target_dir, devices)
