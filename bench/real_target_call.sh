@@ -144,16 +144,7 @@ if [ "$mode" = A ]; then
     "${SMK[@]}" "$W/results/hidden_states/data_config.json" "$W/results/vocab/draft_vocab.safetensors" \
         --configfile "$W/config-eagle3.yaml" > "$W/smk-data.log" 2>&1 || { note "data stages failed"; tail -40 "$W/smk-data.log"; collect; exit 1; }
     note "data stages done"
-    python3 - "$W" <<'EOF'
-import sys, pathlib, json, gzip
-from draftflow.jsonl import read_jsonl
-w = pathlib.Path(sys.argv[1])
-with gzip.open(w / "regenerated.jsonl.gz", "wt") as f:
-    for shard in sorted((w / "results/regenerated/code").glob("shard-*.jsonl.zst")):
-        for r in read_jsonl(shard):
-            f.write(json.dumps({"id": r["id"], "messages": r["messages"]}) + "\n")
-EOF
-    cp "$W/regenerated.jsonl.gz" "$OUT/"
+    regenerated_out
     setsid "${SMK[@]}" "$W/results/eval/eagle3/acceptance.json" --configfile "$W/config-eagle3.yaml" > "$W/smk-eagle3.log" 2>&1 &
     p1=$!
     sleep 20

@@ -67,21 +67,28 @@ def exact_marginals(model, prompt: list[int], temperature: float) -> tuple[torch
     return joint
 
 
+def sampled_pairs(model, aux_ids, proposer, seed: int, n: int = 1500, temperature: float = 1.0):
+    """n speculative samplings of 3 tokens after [1, 2, 0] at K = 2: counts of (x2, x3) [V, V],
+    their exact probabilities, n, and the drafts accepted in all."""
+    prompt = [1, 2, 0]
+    target, g = Target(model, aux_ids), torch.Generator().manual_seed(seed)
+    V = model.config.vocab_size
+    pairs, accepted = torch.zeros(V, V, dtype=torch.int64), 0
+    try:
+        for _ in range(n):
+            out = speculative_sample(target, proposer, prompt, 2, 3, set(), temperature, g)
+            pairs[out.tokens[1], out.tokens[2]] += 1
+            accepted += sum(out.accepted)
+    finally:
+        target.close()
+    return pairs, exact_marginals(model, prompt, temperature), n, accepted
+
+
 def test_speculative_sampling_through_the_hf_target_keeps_its_distribution():
     torch.set_num_threads(1)
     model = tiny_target(vocab=5, layers=4, seed=3)
     drafter = tiny_drafter(model, draft_vocab=3, seed=4)  # restricted draft vocab: q = 0 on tokens 3, 4
-    target, proposer = Target(model, drafter.config.aux_layer_ids), Eagle3Proposer(drafter)
-    prompt, n, temperature = [1, 2, 0], 1500, 1.0
-    g = torch.Generator().manual_seed(5)
-    pairs = torch.zeros(5, 5, dtype=torch.int64)
-    accepted = 0
-    for _ in range(n):
-        out = speculative_sample(target, proposer, prompt, 2, 3, set(), temperature, g)
-        pairs[out.tokens[1], out.tokens[2]] += 1
-        accepted += sum(out.accepted)
-    target.close()
-    joint = exact_marginals(model, prompt, temperature)
+    pairs, joint, n, accepted = sampled_pairs(model, drafter.config.aux_layer_ids, Eagle3Proposer(drafter), seed=5)
     assert within_bound(pairs.flatten(), joint.flatten(), n), (pairs.double() / n - joint).abs().max()
     assert within_bound(pairs.sum(1), joint.sum(1), n) and within_bound(pairs.sum(0), joint.sum(0), n)
     assert accepted > 0  # drafts were accepted, so the acceptance path was exercised
@@ -115,16 +122,6 @@ def test_dflash_block_sampling_through_the_hf_target_keeps_its_distribution():
     drafter.reset_parameters(std=0.3)
     drafter.set_target(model.model.embed_tokens.weight.detach().clone(), model.lm_head.weight.detach().clone())
     drafter = drafter.to(torch.float64)
-    target, proposer = Target(model, cfg.target_layer_ids), DFlashProposer(drafter)
-    prompt, n, temperature = [1, 2, 0], 1500, 1.0
-    g = torch.Generator().manual_seed(7)
-    pairs = torch.zeros(5, 5, dtype=torch.int64)
-    accepted = 0
-    for _ in range(n):
-        out = speculative_sample(target, proposer, prompt, 2, 3, set(), temperature, g)
-        pairs[out.tokens[1], out.tokens[2]] += 1
-        accepted += sum(out.accepted)
-    target.close()
-    joint = exact_marginals(model, prompt, temperature)
+    pairs, joint, n, accepted = sampled_pairs(model, cfg.target_layer_ids, DFlashProposer(drafter), seed=7)
     assert within_bound(pairs.flatten(), joint.flatten(), n), (pairs.double() / n - joint).abs().max()
     assert accepted > 0  # block drafts were accepted: the acceptance path ran
