@@ -105,13 +105,15 @@ def host_gpu_ids() -> list[str]:
         return []
 
 
-def warn_if_gpus_idle(stage: str, key: str) -> None:
+def warn_if_gpus_idle(stage: str, key: str, keep_cpu: str | None = None) -> None:
     """A stage about to run on the CPU of a host that has GPUs: say so once, with the key that
-    moves it (the schema's 0 is the CPU default, so a GPU run that forgot it is silently slow)."""
+    moves it (the schema's 0 is the CPU default, so a GPU run that forgot it is silently slow);
+    keep_cpu names the setting that chooses the CPU on purpose, where the stage has one."""
     ids = host_gpu_ids()
     if ids:
-        log.warning("%s runs on the CPU although this host has %d GPU(s): %s is 0. Set it to use them "
-                    "(or the stage's device: cpu to keep the CPU without this warning)", stage, len(ids), key)  # fmt: skip
+        quiet = f" (or {keep_cpu} to keep the CPU without this warning)" if keep_cpu else ""
+        log.warning("%s runs on the CPU although this host has %d GPU(s): %s is 0. Set it to use them%s",
+                    stage, len(ids), key, quiet)  # fmt: skip
 
 
 def _lock_path(lock_dir: Path, gpu_id: str) -> Path:

@@ -688,7 +688,7 @@ def run_extract(
     device = settings.get("device", "auto")
     wants_gpu = device != "cpu" and int(settings.get("gpus_per_job", 0)) > 0
     if device == "auto" and not wants_gpu:
-        warn_if_gpus_idle("extraction", "extract.gpus_per_job")
+        warn_if_gpus_idle("extraction", "extract.gpus_per_job", keep_cpu="extract.device: cpu")
     with claim_gpus(int(settings["gpus_per_job"]) if wants_gpu else 0, gpu_lock_dir) as claim:
         devices = resolve_devices(device, claim.ids)
         engine = engine_factory(settings, target_dir, devices)
