@@ -228,6 +228,47 @@ def test_training_fits_and_statistics_are_decoding_acceptance(trained):
     assert hits[0] > 0.5 * trials[0]
 
 
+def test_sampled_simulation_is_each_block_s_expected_acceptance(trained):
+    """`dflash_overlaps` gives each row of each anchored block Σ min(p, q): p the target's own
+    softmax(logits / T) (its forward here, not the stored states) at the row's position, q the
+    drafter's row drafted alone from a context cache. Near T = 0 it becomes the greedy hit, and
+    chained it gives the objective's greedy counts."""
+    from draftflow.evaluation.evaluate import SimulatedAcceptance, dflash_overlaps
+
+    model, drafter, (ids, mask, aux, greedy) = trained["model"], trained["drafter"], trained["data"]
+    b, T = 0, int(mask[0].nonzero().max()) + 1
+    one = (ids[b : b + 1, :T], mask[b : b + 1, :T], aux[b : b + 1, :T])
+    anchors = pad_anchors([choose_anchors(one[1][0].numpy(), 10**6, None)])
+    objective = DFlashObjective(drafter, decay=1.0)
+    with torch.no_grad():
+        out = model(one[0], output_hidden_states=True)
+    final, target_logits = out.hidden_states[-1], out.logits[0]  # [1, T, H] post-norm; [T, V]
+    accept, counts = dflash_overlaps(objective, final, *one, anchors, temperature=1.0)  # [K, n]
+    assert counts.any(dim=0).all()
+    for j, a in enumerate(anchors[0].tolist()):
+        cache = ContextCache(drafter.num_layers)
+        if a > 0:
+            cache.append(drafter.context_kv(drafter.context(one[2][:, :a]), torch.arange(a)[None]))
+        block = torch.tensor([[int(one[0][0, a])] + [MASK] * (BLOCK - 1)])
+        with torch.no_grad():
+            q = torch.softmax(drafter.draft(block, torch.arange(a, a + BLOCK)[None], cache)[0, 1:], -1)  # [K, V]
+        for k in range(1, BLOCK):
+            if not counts[k - 1, j]:
+                assert accept[k - 1, j] == 0 and (a + k >= T or not one[1][0, a + k])
+                continue
+            p = torch.softmax(target_logits[a + k - 1], -1)
+            assert float(accept[k - 1, j]) == pytest.approx(float(torch.minimum(p, q[k - 1]).sum()), abs=1e-9)
+    assert 0 < float(accept[counts].mean()) < 1
+
+    cold, _ = dflash_overlaps(objective, final, *one, anchors, temperature=1e-9)  # one-hot p and q
+    sim = SimulatedAcceptance(BLOCK - 1)
+    sim.add_expected(cold, counts)
+    with torch.no_grad():
+        _, stats = objective(*one[:2], one[2], None, greedy[b : b + 1, :T], None, anchors)
+    assert sim.trials == pytest.approx(stats[4].tolist(), abs=1e-6)
+    assert sim.hits == pytest.approx(stats[3].tolist(), abs=1e-6)
+
+
 # ---------------------------------------------------------------- decoding
 
 

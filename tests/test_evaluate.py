@@ -408,15 +408,17 @@ def test_evaluate_stage_with_a_dflash_drafter(stage_inputs, tmp_path):
     with open(tmp_path / "eval" / "acceptance.csv") as f:
         rows = [(r["method"], r["measured"], r["draft_tokens"]) for r in csv.DictReader(f)]
     assert rows[0] == ("dflash", "simulated", "4") and ("ngram", "real", "4") in rows
-    # T = 1: speculative sampling with sampled blocks; real τ only (the simulated count is greedy's)
+    # T = 1: speculative sampling with sampled blocks; simulated: the expected acceptance per row
     sampled = report["temperatures"]["1"]
-    assert sampled["simulated"] is None and sampled["acceptance_length_simulated"] is None
+    assert sampled["simulated"]["samples"] == len(records)
+    assert sampled["simulated"]["trials"][0] == sim["trials"][0]  # row 1 is a trial at every anchor either way
+    assert 1.0 < sampled["acceptance_length_simulated"] < 1.0 + 4
     for k in (2, 3, 4):
         r = sampled["dflash"][str(k)]
         assert r["matches_greedy"] is None and r["prompts"] == len(records)
         assert 1.0 <= r["acceptance_length"] <= k + 1
     simulated_rows = [r for r in report["per_set"] if r.get("measured") == "simulated"]
-    assert [r["temperature"] for r in simulated_rows] == [0]
+    assert [r["temperature"] for r in simulated_rows] == [0, 1]
 
 
 def test_evaluate_refuses_a_drafter_trained_on_other_layers(stage_inputs, capsys):

@@ -161,26 +161,33 @@ class DFlashObjective(nn.Module):
     def steps(self) -> int:
         return self.drafter.block_size - 1
 
+    def block_hidden(self, input_ids: torch.Tensor, aux: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """The drafting rows of every anchored block: input_ids [B, T], aux [B, T, n*H], anchors
+        [B, n] on the same device -> hidden [B, n, K, H] (K = B - 1, before the LM head)."""
+        d, Bk = self.drafter, self.drafter.block_size
+        B, T = input_ids.shape
+        n = anchors.shape[1]
+        start = anchors.clamp(min=0)
+        block_pos = start[..., None] + torch.arange(Bk, device=anchors.device)  # [B, n, Bk]
+        ids = torch.full((B, n, Bk), d.config.mask_token_id, dtype=torch.long, device=anchors.device)
+        ids[..., 0] = torch.gather(input_ids, 1, start)
+        positions = torch.arange(T, device=anchors.device).expand(B, T)
+        context_kv = d.context_kv(d.context(aux), positions)
+        hidden = d.forward_blocks(ids.view(B, n * Bk), block_pos.view(B, n * Bk), AnchoredBlocks(context_kv, anchors, Bk))
+        return hidden.view(B, n, Bk, -1)[:, :, 1:]  # row 0 holds the anchor's own token: no draft
+
     def forward(self, input_ids, loss_mask, aux, target_probs, target_argmax, normalizer=None, anchors=None):
         """input_ids, loss_mask [B, T]; aux [B, T, n*H]; target_argmax [B, T] target ids (z_t's
         argmax); anchors [B, n] (-1: padding); normalizer [B-1] label counts (default: this batch's)."""
         del target_probs  # hard labels only
         d, Bk = self.drafter, self.drafter.block_size
-        B, T = input_ids.shape
+        T = input_ids.shape[1]
         device = input_ids.device
         if anchors is None:
             raise ValueError("DFlash needs the batch's anchors")
         anchors = anchors.to(device)
         n = anchors.shape[1]
-        start = anchors.clamp(min=0)
-        block_pos = start[..., None] + torch.arange(Bk, device=device)  # [B, n, Bk]
-        ids = torch.full((B, n, Bk), d.config.mask_token_id, dtype=torch.long, device=device)
-        ids[..., 0] = torch.gather(input_ids, 1, start)
-
-        positions = torch.arange(T, device=device).expand(B, T)
-        context_kv = d.context_kv(d.context(aux), positions)
-        hidden = d.forward_blocks(ids.view(B, n * Bk), block_pos.view(B, n * Bk), AnchoredBlocks(context_kv, anchors, Bk))
-        hidden = hidden.view(B, n, Bk, -1)[:, :, 1:]  # [B, n, K, H], K = Bk - 1: the drafting rows
+        hidden = self.block_hidden(input_ids, aux, anchors)  # [B, n, K, H]
 
         pos, _ = block_label_positions(anchors, Bk, T)  # [B, n, K]: a + k
         w = label_weights(loss_mask, anchors, Bk)  # [B, n, K]

@@ -11,7 +11,8 @@
   position of the eval split (`simulate_dflash`); real decoding drafts a block per verify step
   and is measured at each K in draft_tokens and at the full block (K = block_size - 1, as served).
   At temperatures > 0 (hf engine) the block's drafts are sampled, each from its own row's
-  distribution, and verified as any chain (real τ only: the simulated count is greedy's).
+  distribution, and verified as any chain; the simulated τ is then the expected acceptance
+  Σ min(p, q) of each block row, chained over the block (`dflash_overlaps`).
 * **Real**: greedy chain speculative decoding (`draftflow.evaluation.speculative`) with the HF target,
   for each K in draft_tokens, on every prompt set of `evaluate.prompt_sets`
   (`draftflow.evaluation.prompt_sets`: the eval split's prompts, HumanEval, MT-bench, GSM8K, any
@@ -288,12 +289,46 @@ def simulate(
 
 
 @torch.no_grad()
+def dflash_overlaps(objective, final: torch.Tensor, input_ids, loss_mask, aux, anchors, temperature: float,
+                    chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Teacher-forced acceptance probabilities of DFlash blocks under speculative sampling.
+
+    One sample: final [1, T, H] the target's post-norm states, input_ids, loss_mask [1, T], aux
+    [1, T, n*H], anchors [1, n]. Returns (accept [K, n]: Σ_v min(p_v, q_v) for row k of the block
+    at anchor j, p = softmax(z_{a+k-1} / temperature) the target's, q the drafter's row
+    distribution at that temperature, both over the whole vocabulary; counts [K, n] bool: row k
+    has a label). As in `chain_overlaps`, the context is the data's tokens, not sampled ones.
+    """
+    from draftflow.drafters.dflash_loss import _logits, block_label_positions, label_weights
+
+    weight = objective.drafter.lm_head.weight  # the target's LM head (DFlash drafts in its vocabulary)
+    hidden = objective.block_hidden(input_ids, aux, anchors)[0]  # [n, K, H]
+    pos, _ = block_label_positions(anchors, objective.drafter.block_size, input_ids.shape[1])
+    counts = label_weights(loss_mask, anchors, objective.drafter.block_size)[0]  # [n, K]
+    rows = counts.nonzero(as_tuple=True)
+    # z_{a+k-1} predicts row k's token; blocks overlap, so each position's p is computed once
+    p = torch.cat([torch.softmax(_logits(f, weight).double() / temperature, -1)
+                   for f in final[0].to(weight.dtype).split(chunk)])  # [T, V]  # fmt: skip
+    context = (pos[0] - 1).clamp(min=0)[rows]  # [R]
+    accept = torch.zeros(counts.shape, dtype=torch.float64, device=hidden.device)
+    parts = []
+    for d, t in zip(hidden[rows].split(chunk), context.split(chunk)):
+        q = torch.softmax(_logits(d, weight).double() / temperature, -1)  # [c, V]
+        parts.append(torch.minimum(p[t], q).sum(-1))
+    if parts:
+        accept[rows] = torch.cat(parts)
+    return accept.T.cpu(), counts.T.cpu()
+
+
+@torch.no_grad()
 def simulate_dflash(
-    drafter, reader, layers: list[int] | None = None, max_samples: int | None = None, on_bad_sample: str = "fail"
+    drafter, reader, layers: list[int] | None = None, max_samples: int | None = None, on_bad_sample: str = "fail",
+    temperature: float = 0.0,
 ) -> SimulatedAcceptance:
     """DFlash's simulated acceptance: every loss position of each eval sample anchors a block
-    (teacher-forced context, as in training); row k of a block counts when rows < k hit the
-    target's greedy token (`dflash_loss`), K = block_size - 1."""
+    (teacher-forced context, as in training), K = block_size - 1. Temperature 0: row k counts
+    when rows < k hit the target's greedy token (`dflash_loss`); > 0: expected acceptance of
+    speculative sampling, Σ min(p, q) per row (`dflash_overlaps`), chained as for EAGLE-3."""
     from draftflow.drafters.dflash_loss import ArgmaxHead, DFlashObjective
     from draftflow.drafters.batching import AnchorPlan, collate
 
@@ -304,8 +339,12 @@ def simulate_dflash(
     plan = AnchorPlan(drafter.block_size, per_sample=1 << 30)  # every anchor, no randomness
     for sample in _readable_samples(reader, result, max_samples, on_bad_sample):
         batch = collate([sample], 1, layers=layers, anchors=plan).to(device, non_blocking=False)
-        target = head(batch.final.to(drafter.fc.weight.dtype))
-        _, stats = objective(batch.input_ids, batch.loss_mask, batch.aux, None, target.argmax, None, batch.anchors)
+        final = batch.final.to(drafter.fc.weight.dtype)
+        if temperature > 0:
+            result.add_expected(*dflash_overlaps(objective, final, batch.input_ids, batch.loss_mask, batch.aux,
+                                                 batch.anchors.to(device), temperature))  # fmt: skip
+            continue
+        _, stats = objective(batch.input_ids, batch.loss_mask, batch.aux, None, head(final).argmax, None, batch.anchors)
         for k in range(result.steps):
             result.trials[k] += int(stats[4, k])
             result.hits[k] += int(stats[3, k])
@@ -613,10 +652,10 @@ def run_hf(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, li
     outputs: list[dict] = []
     for temperature in settings.temperatures:
         simulated = SimulatedAcceptance(drafter.block_size - 1 if method == "dflash" else k_max)
-        # DFlash's simulated acceptance counts greedy hits: at T > 0 it has none (real τ only)
-        simulating = reader is not None and not (method == "dflash" and temperature > 0)
+        simulating = reader is not None
         if simulating and method == "dflash":
-            simulated = simulate_dflash(drafter, reader, layers, on_bad_sample=settings.on_bad_sample)
+            simulated = simulate_dflash(drafter, reader, layers, on_bad_sample=settings.on_bad_sample,
+                                        temperature=temperature)  # fmt: skip
         elif simulating:
             simulated = simulate(drafter, head, reader, k_max, temperature=temperature,
                                  on_bad_sample=settings.on_bad_sample, layers=layers)  # fmt: skip
