@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib
+import json
 import importlib.util
 import os
 import sys
@@ -353,6 +354,31 @@ def vllm_tensors(reference: Reference, ids: np.ndarray) -> torch.Tensor:
     """What vLLM returns for our ids: aux layer outputs + the last layer's *pre*-norm output."""
     layers, _ = reference.layers(ids)
     return torch.stack([layers[i] for i in AUX] + [layers[NUM_LAYERS - 1]], dim=1)
+
+
+def test_checkpoint_tensors_are_read_alone_from_one_file_or_shards(tmp_path):
+    """The final norm and embedding rows the vllm engine needs, found by name in model.safetensors
+    or through the shard index; a checkpoint without them is refused with the names it sought."""
+    norm, embed = torch.arange(4.0), torch.arange(24.0).view(6, 4)
+    one = tmp_path / "one"
+    one.mkdir()
+    save_file({"model.norm.weight": norm, "model.embed_tokens.weight": embed}, one / "model.safetensors")
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    save_file({"model.norm.weight": norm}, sharded / "b.safetensors")
+    save_file({"model.embed_tokens.weight": embed}, sharded / "a.safetensors")
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.norm.weight": "b.safetensors", "model.embed_tokens.weight": "a.safetensors"}}))  # fmt: skip
+    for folder in (one, sharded):
+        assert torch.equal(V.final_norm_weight(folder, LLAMA), norm)
+        assert torch.equal(V.embedding_rows(folder, LLAMA, [5, 0, 5]), embed[[5, 0, 5]])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    save_file({"lm_head.weight": embed}, empty / "model.safetensors")
+    with pytest.raises(CaptureError, match=r"no final norm weight \(model\.norm\.weight"):
+        V.final_norm_weight(empty, LLAMA)
+    with pytest.raises(CaptureError, match="no input embedding"):
+        V.embedding_rows(empty, LLAMA, [0])
 
 
 def test_vllm_file_plus_final_norm_equals_the_hf_engine(tmp_path, target, reference):

@@ -49,7 +49,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -259,12 +259,11 @@ def parse_capture(
 # ---------------------------------------------------------------- the final norm
 
 
-def final_norm_weight(target_dir: str | Path, arch: Architecture) -> torch.Tensor:
-    """The final RMSNorm weight [H], loaded alone from the checkpoint's safetensors."""
+def _checkpoint_tensor(target_dir: Path, names: list[str], read: Callable):
+    """read(safe_open handle, name) for the first of `names` that the checkpoint's safetensors
+    hold (sharded through model.safetensors.index.json, or one model.safetensors); None if none."""
     from safetensors import safe_open
 
-    target_dir = Path(target_dir)
-    names = [f"{prefix}norm.weight" for prefix in arch.module_prefixes]
     index = target_dir / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -275,35 +274,37 @@ def final_norm_weight(target_dir: str | Path, arch: Architecture) -> torch.Tenso
         if file.exists():
             with safe_open(str(file), framework="pt") as f:
                 if name in f.keys():
-                    return f.get_tensor(name)
-    raise CaptureError(
-        f"{target_dir}: no final norm weight ({' or '.join(names)}) in its safetensors files; "
-        "the vllm engine needs it to turn vLLM's pre-norm last layer into the post-norm final state"
-    )
+                    return read(f, name)
+    return None
+
+
+def final_norm_weight(target_dir: str | Path, arch: Architecture) -> torch.Tensor:
+    """The final RMSNorm weight [H], loaded alone from the checkpoint's safetensors."""
+    names = [f"{prefix}norm.weight" for prefix in arch.module_prefixes]
+    weight = _checkpoint_tensor(Path(target_dir), names, lambda f, name: f.get_tensor(name))
+    if weight is None:
+        raise CaptureError(
+            f"{target_dir}: no final norm weight ({' or '.join(names)}) in its safetensors files; "
+            "the vllm engine needs it to turn vLLM's pre-norm last layer into the post-norm final state"
+        )
+    return weight
 
 
 def embedding_rows(target_dir: str | Path, arch: Architecture, token_ids: Sequence[int]) -> torch.Tensor:
     """Rows of the input embedding for `token_ids` [n, H], read row by row from the safetensors."""
-    from safetensors import safe_open
 
-    target_dir = Path(target_dir)
+    def rows(f, name: str) -> torch.Tensor:
+        table = f.get_slice(name)
+        return torch.cat([table[int(t) : int(t) + 1] for t in token_ids])
+
     names = [f"{prefix}embed_tokens.weight" for prefix in arch.module_prefixes]
-    index = target_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        found = [(n, target_dir / weight_map[n]) for n in names if n in weight_map]
-    else:
-        found = [(n, target_dir / "model.safetensors") for n in names]
-    for name, file in found:
-        if file.exists():
-            with safe_open(str(file), framework="pt") as f:
-                if name in f.keys():
-                    table = f.get_slice(name)
-                    return torch.cat([table[int(t) : int(t) + 1] for t in token_ids])
-    raise CaptureError(
-        f"{target_dir}: no input embedding ({' or '.join(names)}) in its safetensors files; the vllm "
-        "engine needs it to check an unchecked vLLM release's layer numbering at run time"
-    )
+    found = _checkpoint_tensor(Path(target_dir), names, rows)
+    if found is None:
+        raise CaptureError(
+            f"{target_dir}: no input embedding ({' or '.join(names)}) in its safetensors files; the vllm "
+            "engine needs it to check an unchecked vLLM release's layer numbering at run time"
+        )
+    return found
 
 
 def check_embeddings_slot(sample: str, slot: torch.Tensor, input_ids: np.ndarray, rows: dict[int, torch.Tensor]) -> None:
