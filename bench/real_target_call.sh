@@ -125,7 +125,7 @@ eval_when_ready() {  # NAME DRAFTER READY: once the file READY exists, evaluate 
             sleep 5
         done
         note "evaluating $name"
-        for t in ${EVAL_TEMPS:-0 1}; do
+        for t in ${EVAL_TEMPS-0 1}; do  # EVAL_TEMPS="" evaluates nothing (simulated τ from training only)
             for ps in ${EVAL_SETS:-heldout humaneval}; do
                 for seed in ${EVAL_SEEDS:-0}; do  # evaluate.seed: the sampling draws at T > 0
                     tag="$ps-T$t"
