@@ -392,7 +392,10 @@ def write_configs(work: Path, a) -> None:
         "results": str(work / "results"),
         "target": {"model": str(work / "target")},
         "datasets": {"code": {"path": str(data), "shards": 4 if not tiny else 2,
-                              "regenerate": a.data_path is None}},
+                              "regenerate": a.data_path is None,
+                              # a carried regeneration holds the target's empty answers, which
+                              # prepare refuses: they go to the rejects file, counted in its log
+                              **({"on_error": "skip"} if a.data_path else {})}},
         "regenerate": {"engine": "hf", "batch_size": 256 if not tiny else 16, "max_new_tokens": 256 if not tiny else 32,
                        "temperature": 1.0, "seed": 0},
         "merge": {"seed": 0, "max_seq_len": 1024, "eval_fraction": 0.05, "min_eval_samples": 8,

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftflow.engines.generation import GenerationRequest, make_generation_engine
+from draftflow.engines.generation import GenerationRequest, GenerationResult, make_generation_engine
 from draftflow.errors import DraftflowError
 from draftflow.jsonl import read_jsonl, write_jsonl
-from draftflow.data.regenerate import partial_path, regenerate_shard, run_fingerprint, target_fingerprint
+from draftflow.data.regenerate import RegenerateSettings, partial_path, regenerate_group, regenerate_shard, run_fingerprint, target_fingerprint
 from draftflow.target import BuiltinSettings, build_target, load_target
 
 TARGET = dict(
@@ -152,6 +152,25 @@ def test_engine_interface_directly(target, model_and_tokenizer):
         assert result.finish_reason in {"stop", "length"} and result.reasoning_content is None
     with pytest.raises(DraftflowError, match="unknown engine 'vllm'"):
         make_generation_engine({"engine": "vllm"}, target)
+
+
+def test_empty_generated_turns_are_kept_and_counted():
+    """A target that ends its turn at once gives an empty assistant turn: kept (it is the
+    target's answer) and counted, since `prepare` would refuse it on reuse. The engine here is
+    a stand-in for a target that answers some prompts with nothing at all."""
+
+    class Silent:  # the GenerationEngine interface: empty for the questions with a 2 in them
+        def generate(self, requests):
+            return [GenerationResult("" if "2" in r.messages[-1]["content"] else "Four.") for r in requests]
+
+        def close(self):
+            pass
+
+    records = [record(i, [user(q)]) for i, q in enumerate(QUESTIONS)]
+    out, stats = regenerate_group(records, Silent(), RegenerateSettings.from_dict(SETTINGS))
+    silent = [i for i, q in enumerate(QUESTIONS) if "2" in q]
+    assert stats.turns == len(QUESTIONS) and stats.empty == len(silent) > 0
+    assert [r["messages"][-1] for r in out] == [assistant("" if i in silent else "Four.") for i in range(len(QUESTIONS))]
 
 
 def test_bad_input_names_file_line_and_field(tmp_path, target):

@@ -86,6 +86,7 @@ class ConversationState:
     turns: int = 0  # assistant turns generated so far
     kept_tool_calls: bool = False
     truncated: int = 0  # generated turns that hit max_new_tokens
+    empty: int = 0  # generated turns with no text (the target ended its turn at once)
 
     def pending(self) -> bool:
         """Copy input messages up to the next turn to generate; True if there is one."""
@@ -127,6 +128,7 @@ class ConversationState:
             self.next_index += 1  # the replaced input turn
         self.turns += 1
         self.truncated += result.finish_reason == "length"
+        self.empty += not result.content.strip()
 
     def output(self) -> dict:
         return {**self.record, "messages": self.messages}  # id, dataset, tools unchanged
@@ -143,10 +145,12 @@ class GroupStats:
     turns: int = 0
     truncated: int = 0
     kept_tool_calls: int = 0
+    empty: int = 0
 
     def add(self, other: "GroupStats") -> None:
         self.turns += other.turns
         self.truncated += other.truncated
+        self.empty += other.empty
         self.kept_tool_calls += other.kept_tool_calls
 
 
@@ -165,6 +169,7 @@ def regenerate_group(
         turns=sum(s.turns for s in states),
         truncated=sum(s.truncated for s in states),
         kept_tool_calls=sum(s.kept_tool_calls for s in states),
+        empty=sum(s.empty for s in states),
     )
     return [s.output() for s in states], stats
 
@@ -364,6 +369,14 @@ def regenerate_shard(
         "%d conversations kept from a tool call on",
         output_path, len(ordered), resumed, stats.turns, stats.truncated, stats.kept_tool_calls,
     )
+    if stats.empty:
+        # kept: the target's own answer, which trains its end-of-turn token; but `prepare`
+        # refuses an empty assistant turn, so this file cannot be fed back as a dataset as is
+        log.warning(
+            "%s: %d of %d generated turns are empty (the target ended its turn at once); they train "
+            "only the end-of-turn token, and `draftflow prepare` refuses them if this file is reused "
+            "as a dataset (set on_error: skip there)", output_path, stats.empty, stats.turns,
+        )  # fmt: skip
     return RegenerateReport(len(ordered), resumed, stats)
 
 
