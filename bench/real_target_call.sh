@@ -23,6 +23,9 @@ shift
 T0=$(date +%s)
 DEADLINE=${DEADLINE:-545}
 W=${W:-/tmp/rt}
+# a warm device machine keeps /tmp between calls: a stale drafter or eval.json there would be taken
+# for this call's (2026-12-02: DFlash evaluated before its retraining), so each call starts clean
+rm -rf "$W"
 mkdir -p "$W"
 elapsed() { echo $(($(date +%s) - T0)); }
 note() { echo "[call $mode $(elapsed)s] $*" | tee -a "$OUT/calllog.txt" >&2; }
