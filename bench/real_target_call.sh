@@ -10,8 +10,9 @@
 #   B  with A's target carried back in rtdata/: the workflow again (regenerated again), our EAGLE-3,
 #      speculators 0.9's EAGLE-3 on the same converted data (bench/quality_compare.py) and variants.
 #   S  (sweep) build the target and the data stages as A (or, as C, use a carried target and its
-#      conversations), return the target and the regenerated conversations, then train recipe variants for their simulated τ only (SIM_VARIANTS; DFlash
-#      through the workflow's train rule and DFLASH_VARIANTS).
+#      conversations), return the target and the regenerated conversations, then train recipe
+#      variants for their simulated τ only (SIM_VARIANTS; DFlash through the workflow's train rule
+#      and DFLASH_VARIANTS).
 #   C  (compare) build the target as S, or with a target and conversations carried in rtdata/ (not
 #      regenerated) use those; the data stages, lossless and fp8 side by side; our EAGLE-3 and speculators' at each of LRS, our DFlash; then
 #      every drafter evaluated by `draftflow evaluate`, one process per drafter and temperature.

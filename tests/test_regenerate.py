@@ -17,7 +17,14 @@ import torch
 from draftflow.engines.generation import GenerationRequest, GenerationResult, make_generation_engine
 from draftflow.errors import DraftflowError
 from draftflow.jsonl import read_jsonl, write_jsonl
-from draftflow.data.regenerate import RegenerateSettings, partial_path, regenerate_group, regenerate_shard, run_fingerprint, target_fingerprint
+from draftflow.data.regenerate import (
+    RegenerateSettings,
+    partial_path,
+    regenerate_group,
+    regenerate_shard,
+    run_fingerprint,
+    target_fingerprint,
+)
 from draftflow.target import BuiltinSettings, build_target, load_target
 
 TARGET = dict(
@@ -170,7 +177,8 @@ def test_empty_generated_turns_are_kept_and_counted():
     out, stats = regenerate_group(records, Silent(), RegenerateSettings.from_dict(SETTINGS))
     silent = [i for i, q in enumerate(QUESTIONS) if "2" in q]
     assert stats.turns == len(QUESTIONS) and stats.empty == len(silent) > 0
-    assert [r["messages"][-1] for r in out] == [assistant("" if i in silent else "Four.") for i in range(len(QUESTIONS))]
+    expected = [assistant("" if i in silent else "Four.") for i in range(len(QUESTIONS))]
+    assert [r["messages"][-1] for r in out] == expected
 
 
 def test_bad_input_names_file_line_and_field(tmp_path, target):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import fcntl
 import importlib
-import json
 import importlib.util
+import json
 import os
 import sys
 import threading

@@ -334,7 +334,7 @@ def simulate_dflash(
 
     device = drafter.fc.weight.device
     objective = DFlashObjective(drafter, decay=1.0)
-    head = ArgmaxHead(drafter.lm_head.weight)
+    head = ArgmaxHead(drafter.lm_head.weight) if temperature == 0 else None  # greedy labels only
     result = SimulatedAcceptance(drafter.block_size - 1)
     plan = AnchorPlan(drafter.block_size, per_sample=1 << 30)  # every anchor, no randomness
     for sample in _readable_samples(reader, result, max_samples, on_bad_sample):
