@@ -128,7 +128,7 @@ sim_variant() {  # NAME:KEY=VALUE[,...]: our EAGLE-3 trained with those train ke
     for x in "${kv[@]}"; do [ -n "$x" ] && sets+=(--set "train.$x"); done
     setsid python3 bench/quality_compare.py --results "$W/results" --config "$W/config-eagle3.yaml" --work "$W/qc" \
         --trainers ours --sim-only --device "${DEVICE:-cuda}" --threads 2 --label "$name" --set train.num_workers=1 \
-        "${sets[@]}" --output "$W/qc.jsonl" \
+        --seeds ${SIM_SEEDS:-0} "${sets[@]}" --output "$W/qc.jsonl" \
         > "$W/qc-$name.log" 2>&1 &
     echo $!
 }
@@ -188,8 +188,11 @@ elif [ "$mode" = S ]; then
     note "data stages done"
     [ -e "$W/regenerated.jsonl" ] || regenerated_out
     ln -sfn "$W/target" "$W/results/target"
-    setsid "${SMK[@]}" "$W/results/drafter/dflash" --configfile "$W/config-dflash.yaml" > "$W/smk-dflash.log" 2>&1 &
-    pids=("$!")
+    pids=()
+    if [ -z "${NO_DFLASH:-}" ]; then  # NO_DFLASH=1: the GPU for the EAGLE-3 variants alone
+        setsid "${SMK[@]}" "$W/results/drafter/dflash" --configfile "$W/config-dflash.yaml" > "$W/smk-dflash.log" 2>&1 &
+        pids+=("$!")
+    fi
     for spec in ${SIM_VARIANTS:-base:}; do  # NAME:KEY=VALUE[,KEY=VALUE] (train keys): our EAGLE-3, simulated τ
         pids+=("$(sim_variant "$spec")")
     done
