@@ -62,7 +62,7 @@ from draftflow.drafters.dflash_loss import ArgmaxHead, DFlashObjective  # noqa: 
 from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
 from draftflow.hidden_states.storage import HiddenStateReader, SampleStore, encode_sample, sample_key, write_range_index  # noqa: E402
 from draftflow.drafters.train import (  # noqa: E402
-    DistEnv, TrainSettings, make_loader, make_optimizer, plan_micro_batches, plan_padded, train_step, use_compile,
+    DistEnv, TrainSettings, make_loader, make_optimizer, plan_micro_batches, train_step, use_compile,
 )  # fmt: skip
 from draftflow.drafters.ttt import TargetHead, TTTObjective  # noqa: E402
 
@@ -234,23 +234,18 @@ def main(argv=None) -> None:
             drafter.to(device)
             objective = TTTObjective(drafter, a.ttt_steps, 0.8, compile=compiled)
             s = TrainSettings(
-                aux_layer_ids=aux_ids, ttt_steps=a.ttt_steps, batch_tokens=a.batch_tokens, num_workers=a.workers
+                aux_layer_ids=aux_ids, ttt_steps=a.ttt_steps, batch_tokens=a.batch_tokens, num_workers=a.workers,
+                batching=a.batching,
             )
         total = a.warmup + 2 * a.steps
         opt, sched = make_optimizer(drafter, s, total, fused=cuda)
         env = DistEnv(device=device)
 
         reader = HiddenStateReader([range_dir], verify=a.verify_reads != "off")
-        packed = a.method == "eagle3" and a.batching == "packed"
-
-        def plan(epoch: int):
-            if a.method == "eagle3" and not packed:  # before packing: length-sorted, one sample a padded row
-                return plan_padded(reader.lengths, s, epoch)
-            return plan_micro_batches(reader.lengths, s, epoch)
-
-        epochs = math.ceil((a.warmup + a.steps) / max(1, len(plan(0))))
-        batches = [b for e in range(epochs + 1) for b in plan(e)]
-        loader = iter(make_loader(reader, batches, s, device, epoch=0, packed=packed))
+        packed = s.packs
+        epochs = math.ceil((a.warmup + a.steps) / max(1, len(plan_micro_batches(reader.lengths, s, 0))))
+        batches = [b for e in range(epochs + 1) for b in plan_micro_batches(reader.lengths, s, e)]
+        loader = iter(make_loader(reader, batches, s, device, epoch=0))
 
         def sync():
             if cuda:

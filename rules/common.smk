@@ -407,6 +407,7 @@ EAGLE3_TRAIN_KEYS = (
     "norm_before_fc",
     "norm_before_residual",
     "norm_output",
+    "batching",
 )
 
 

@@ -422,3 +422,28 @@ def test_the_loader_packs_eagle3_rows_one_width_wide_and_pads_dflash_one_sample_
     assert any(b.doc is not None for b in batches)
     padded = next(iter(make_loader(reader, [[[0], [1]]], s, torch.device("cpu"), packed=False)))
     assert padded.doc is None and padded.input_ids.shape == (2, int(reader.lengths[:2].max()))
+
+
+def test_padded_batching_trains_eagle3_one_sample_a_row_under_its_own_fingerprint(world, tmp_path):
+    """`batching: padded` (the recipe before packing, kept to measure packing against) plans one
+    sample a row and is a run of its own; unset, the settings fingerprint is as before the key."""
+    from draftflow.hidden_states.storage import HiddenStateReader
+
+    lengths = HiddenStateReader(world["train"]).lengths
+    padded = TrainSettings.from_dict(settings(batching="padded"))
+    assert all(len(row) == 1 for batch in plan_micro_batches(lengths, padded, 0) for row in batch)
+    assert "batching" not in TrainSettings.from_dict(settings()).fingerprint_dict()
+
+    packed_run = run_inprocess(world, tmp_path / "packed", tmp_path / "state", {})
+    padded_run = run_inprocess(world, tmp_path / "padded", tmp_path / "state", {"batching": "padded"})
+    assert padded_run["fingerprint"] != packed_run["fingerprint"]
+    assert len(list((tmp_path / "state").glob("run-*"))) == 2  # no resume across batchings
+    assert len(train_rows(tmp_path / "padded")) == padded_run["steps"] == len(plan_micro_batches(lengths, padded, 0))
+    assert np.isfinite(padded_run["loss"])
+
+
+def test_batching_is_validated_and_eagle3_only():
+    with pytest.raises(DraftflowError, match="'batching' must be packed or padded"):
+        TrainSettings.from_dict(settings(batching="sorted"))
+    with pytest.raises(DraftflowError, match="batching apply to EAGLE-3 only"):
+        TrainSettings.from_dict(settings(batching="padded", method="dflash", dflash={}))

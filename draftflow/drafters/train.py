@@ -92,6 +92,9 @@ class TrainSettings:
     norm_before_fc: bool = False
     norm_before_residual: bool = False
     norm_output: bool = True  # the schema's default (BENCHMARKS.md "The embedded default itself")
+    # EAGLE-3's micro-batches: packed rows (packing.plan_packed), or padded: one sample a row in
+    # length-sorted windows, the recipe before packing, kept to measure packing against
+    batching: str = "packed"
     epochs: float = 1.0
     batch_tokens: int = 8192
     learning_rate: float = 1e-4
@@ -125,7 +128,7 @@ class TrainSettings:
         s = cls(**values)
         if s.method == "dflash":
             DFlashSettings.from_dict(s.dflash)  # refuses unknown or invalid keys now, not mid-run
-            eagle_only = [k for k in (*VARIANT_FLAGS, "loss") if getattr(s, k) != known[k].default]
+            eagle_only = [k for k in (*VARIANT_FLAGS, "loss", "batching") if getattr(s, k) != known[k].default]
             if eagle_only:
                 raise DraftflowError(
                     f"train --settings: {', '.join(eagle_only)} apply to EAGLE-3 only; DFlash trains with "
@@ -142,6 +145,8 @@ class TrainSettings:
             raise DraftflowError(f"train --settings: 'loss' must be one of {', '.join(LOSSES)}, got {s.loss!r}")
         if s.on_bad_sample not in ("fail", "skip"):
             raise DraftflowError(f"train --settings: 'on_bad_sample' must be fail or skip, got {s.on_bad_sample!r}")
+        if s.batching not in ("packed", "padded"):
+            raise DraftflowError(f"train --settings: 'batching' must be packed or padded, got {s.batching!r}")
         if s.schedule not in ("cosine", "linear", "constant"):
             raise DraftflowError(f"train --settings: 'schedule' must be cosine, linear or constant, got {s.schedule!r}")
         for name in ("ttt_steps", "batch_tokens", "grad_accum", "num_hidden_layers", "log_every_steps"):
@@ -152,7 +157,8 @@ class TrainSettings:
         return s
 
     def fingerprint_dict(self) -> dict:
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in OPERATIONAL | PLACEMENT}
+        # batching: in run_fingerprint's own key, where it was before it could be set
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in OPERATIONAL | PLACEMENT | {"batching"}}
         if self.method == "eagle3":  # as before methods existed: EAGLE-3 resume state stays valid
             out.pop("method"), out.pop("dflash")
         return out
@@ -160,6 +166,11 @@ class TrainSettings:
     @property
     def dflash_settings(self) -> DFlashSettings:
         return DFlashSettings.from_dict(self.dflash)
+
+    @property
+    def packs(self) -> bool:
+        """Micro-batch rows hold several samples (EAGLE-3 unless `batching: padded`)."""
+        return self.method == "eagle3" and self.batching == "packed"
 
     @property
     def stat_steps(self) -> int:
@@ -229,8 +240,9 @@ def plan_padded(lengths: np.ndarray, s: TrainSettings, epoch: int, shuffle: bool
 
 def plan_micro_batches(lengths: np.ndarray, s: TrainSettings, epoch: int, shuffle: bool = True) -> list[Rows]:
     """The method's micro-batches, each as its rows of sample indices: EAGLE-3 packs samples into
-    rows (`packing.plan_packed`), DFlash has one sample per row (`plan_padded`)."""
-    if s.method == "dflash":
+    rows (`packing.plan_packed`) unless `batching` is padded; DFlash has one sample per row
+    (`plan_padded`)."""
+    if not s.packs:
         return plan_padded(lengths, s, epoch, shuffle)
     return plan_packed(lengths, s.batch_tokens, s.seed, epoch, shuffle)
 
@@ -265,7 +277,7 @@ def make_loader(
 ):  # fmt: skip
     """DataLoader over fixed micro-batches: worker processes decode, the main process pins.
     layers: the stored aux layers to read (`reader_layers`); epoch: of training (None: evaluation);
-    packed: rows of several samples with `doc` ids (default: EAGLE-3 yes, DFlash no)."""
+    packed: rows of several samples with `doc` ids (default: `s.packs`)."""
     from functools import partial
 
     workers = s.num_workers
@@ -273,7 +285,7 @@ def make_loader(
     if s.method == "dflash":
         d = s.dflash_settings
         anchors = AnchorPlan(d.block_size, d.anchors_per_sample, s.seed, epoch)
-    packed = s.method == "eagle3" if packed is None else packed
+    packed = s.packs if packed is None else packed
     keyed = [[(r, i) for r, row in enumerate(rows) for i in row] for rows in batch_lists]
     return torch.utils.data.DataLoader(
         SampleDataset(reader),
@@ -622,7 +634,7 @@ def run_fingerprint(s: TrainSettings, world_size: int, train_ranges, eval_ranges
         "target": target_identity(target_dir),
     }
     if s.method == "eagle3":  # the micro-batch plan: older runs padded length-sorted batches
-        description["batching"] = "packed"
+        description["batching"] = s.batching
     if vocab_path is not None:  # DFlash has none
         description["vocab"] = _sha256_file(Path(vocab_path))
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
