@@ -147,6 +147,7 @@ SPECIAL = {
     "evaluate.server.baseline_endpoint": "http://127.0.0.1:10",
     "train.methods": ["eagle3", "dflash"],
     "train.dflash.target_layer_ids": [0, 3],  # a layer extraction does not store yet
+    "train.batching": "padded",  # no default: unset means packed
 }
 
 
