@@ -54,6 +54,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from draftflow.threads import thread_env  # noqa: E402 (after the path insert)
+
 log = logging.getLogger("quality_compare")
 
 
@@ -75,7 +77,9 @@ def draftflow_cmd(*args: str) -> list[str]:
 
 
 def child_env(threads: int, extra_path: str | None = None) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TQDM_DISABLE="1")
+    # thread_env's DRAFTFLOW_THREADS is what sizes a draftflow child's torch pools; the OpenMP
+    # variables alone left `draftflow train` at every CPU of the machine
+    env = dict(os.environ, **thread_env(threads), TQDM_DISABLE="1")
     paths = [p for p in (extra_path, str(REPO), env.get("PYTHONPATH")) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(":".join(paths).split(os.pathsep)))
     return env

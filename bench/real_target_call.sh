@@ -123,12 +123,18 @@ EOF
 }
 
 sim_variant() {  # NAME:KEY=VALUE[,...]: our EAGLE-3 trained with those train keys, simulated τ only
-    local spec="$1" name="${1%%:*}" sets=()
+    # (seeds=N is this variant's seed instead of SIM_SEEDS: one process per seed runs them side by side)
+    local spec="$1" name="${1%%:*}" sets=() seeds="${SIM_SEEDS:-0}"
     IFS=, read -ra kv <<< "${spec#*:}"
-    for x in "${kv[@]}"; do [ -n "$x" ] && sets+=(--set "train.$x"); done
+    for x in "${kv[@]}"; do
+        case "$x" in
+            seeds=*) seeds="${x#seeds=}" ;;
+            ?*) sets+=(--set "train.$x") ;;
+        esac
+    done
     setsid python3 bench/quality_compare.py --results "$W/results" --config "$W/config-eagle3.yaml" --work "$W/qc" \
         --trainers ours --sim-only --device "${DEVICE:-cuda}" --threads 2 --label "$name" --set train.num_workers=1 \
-        --seeds ${SIM_SEEDS:-0} "${sets[@]}" --output "$W/qc.jsonl" \
+        --seeds $seeds "${sets[@]}" --output "$W/qc.jsonl" \
         > "$W/qc-$name.log" 2>&1 &
     echo $!
 }
