@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dataclasses import dataclass
 
+import psutil
 import pytest
 import yaml
 
@@ -45,6 +46,26 @@ def snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 1200
             f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def kill_all(processes: list[psutil.Process], timeout: float = 30) -> None:
+    """SIGKILL each process and wait for it; one that already exited is fine (a torchrun worker can
+    end on its own between being listed and being killed)."""
+    for p in processes:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(processes, timeout=timeout)
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The process and all its descendants, leaves last; empty if it is already gone."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def planned_jobs(output: str) -> dict[str, list[str]]:

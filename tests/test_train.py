@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 import torch
 
+from conftest import kill_all, process_tree
 from draftflow.errors import DraftflowError
 from draftflow.hidden_states.storage import SampleStore, encode_sample, sample_key, write_range_index
 from draftflow.drafters.batching import collate
@@ -287,11 +287,8 @@ def kill_after_checkpoint(proc, state: Path, step: int) -> int:
         latest = list(state.glob("run-*/latest.json"))
         if latest and json.loads(latest[0].read_text())["step"] >= step:
             # torchrun starts its workers in sessions of their own: kill the whole tree
-            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-            for p in tree:
-                p.kill()
+            kill_all(process_tree(proc.pid))
             proc.wait()
-            psutil.wait_procs(tree, timeout=30)
             return json.loads(latest[0].read_text())["step"]
         time.sleep(0.01)
     proc.wait()

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import snakemake, write_config
+from conftest import kill_all, snakemake, write_config
 from real_vllm import VLLM_ENV, VLLM_SERVER_ARGS, vllm_python
 from test_workflow_extract import CONFIG, clone
 
@@ -100,14 +100,12 @@ def served(default_run, tmp_path_factory):
         log.close()
     saved_at_kill = served_units(state)
     left = wait_gone(workdir, 120)
-    for p in left:  # never leave a server running, whatever the assertion below says
-        p.kill()
+    kill_all(left)  # never leave a server running, whatever the assertion below says
     snakemake(workdir, "--unlock", CONFIG)
     rerun = snakemake(workdir, CONFIG, timeout=3600)
     yield {"workdir": workdir, "hf": default_run.workdir, "left_after_kill": left, "saved_at_kill": saved_at_kill,
            "rerun": rerun}  # fmt: skip
-    for p in vllm_processes(workdir):
-        p.kill()
+    kill_all(vllm_processes(workdir))
 
 
 def test_a_killed_stage_leaves_no_server_and_its_rerun_measures_only_the_rest(served):
