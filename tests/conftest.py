@@ -60,7 +60,7 @@ def kill_all(processes: list[psutil.Process], timeout: float = 30) -> None:
 
 
 def process_tree(pid: int) -> list[psutil.Process]:
-    """The process and all its descendants, leaves last; empty if it is already gone."""
+    """The process, then all its descendants; empty if it is already gone."""
     try:
         root = psutil.Process(pid)
         return [root, *root.children(recursive=True)]
