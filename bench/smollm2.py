@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Helpers of `bench/smollm2_call.sh`: the workflow on SmolLM2-135M-Instruct and real chat data
+(issue 32), on the H200 or, shrunk, on the CPU.
+
+    configs  write W/config.yaml: config/examples/smollm2-135m.yaml with the call's paths and sizes
+    ppl      the target's perplexity on the merged eval split's loss tokens, per dataset
+    collect  every figure of a call's work folder into one JSON (figures.json)
+    table    markdown rows from one or more figures.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def set_path(config: dict, key: str, value) -> None:
+    node = config
+    *parents, last = key.split(".")
+    for k in parents:
+        node = node.setdefault(k, {})
+    node[last] = value
+
+
+def configs(a) -> None:
+    """The example config with this call's folders; --tiny shrinks it for a CPU smoke test."""
+    import yaml
+
+    config = yaml.safe_load((REPO / "config" / "examples" / "smollm2-135m.yaml").read_text())
+    w, data = a.work.resolve(), a.data.resolve()
+    config["results"] = str(w / "results")
+    config["target"]["model"] = str(a.model.resolve())
+    config["datasets"]["sharegpt_regen"].update(path=str(data / "sharegpt_prompts.jsonl.gz"))
+    # the last 3,000 records of the shipped file, cut off as it is (it does not fit a device call whole)
+    config["datasets"]["sharegpt"].update(path=str(data / "sharegpt_tail.json.gz"), shards=1, max_samples=1500)
+    config["regenerate"].update(batch_size=128, max_new_tokens=256)
+    # 1024: the speculators copy of the store is uncompressed; both must fit the 64 GB disk
+    config["merge"].update(max_seq_len=1024, min_eval_samples=64, samples_per_range=2048)
+    config["extract"].update(writer_threads=6)
+    config["train"].update(num_workers=4, log_every_steps=20)
+    config["evaluate"].update(max_prompts=16, max_new_tokens=128)
+    sets = config["evaluate"]["prompt_sets"]
+    sets["mtbench"]["path"] = str(data / "mtbench_question.jsonl")
+    sets["gsm8k"].update(path=str(data / "gsm8k_test.jsonl"), max_prompts=None)
+    sets["humaneval"].update(path=str(data / "HumanEval.jsonl.gz"), max_prompts=None)
+    if a.tiny:
+        for dataset in config["datasets"].values():
+            dataset.update(shards=1, max_samples=12)
+        config["regenerate"].update(batch_size=12, max_new_tokens=24)
+        config["merge"].update(max_seq_len=192, min_eval_samples=4, samples_per_range=64)
+        config["extract"].update(gpus_per_job=0, batch_tokens=4096, writer_threads=1)
+        config["train"].update(gpus=0, epochs=1, batch_tokens=1024, draft_vocab_size=2048, num_workers=0)
+        config["train"].setdefault("dflash", {}).update(anchors_per_sample=16)
+        config["evaluate"].update(draft_tokens=[3], max_prompts=2, max_new_tokens=12)
+    for item in a.override:  # KEY.PATH=JSON
+        key, _, value = item.partition("=")
+        set_path(config, key, json.loads(value))
+    (w / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def ppl(a) -> None:
+    """exp(mean NLL) of the target on the eval split's loss-masked tokens (the answers), per dataset."""
+    import torch
+
+    from draftflow.target import load_target
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, _ = load_target(a.results / "target", dtype=torch.bfloat16, device=device)
+    nll: dict[str, float] = {}
+    count: dict[str, int] = {}
+    with torch.no_grad(), open(a.results / "merged" / "eval.jsonl") as f:
+        for line in f:
+            record = json.loads(line)
+            ids = torch.tensor([record["input_ids"]], device=device)
+            mask = torch.tensor(record["loss_mask"][1:], device=device, dtype=torch.bool)
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            losses = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")[mask]
+            name = record.get("dataset", "all")
+            nll[name] = nll.get(name, 0.0) + float(losses.sum())
+            count[name] = count.get(name, 0) + int(mask.sum())
+    out = {name: {"perplexity": round(math.exp(nll[name] / count[name]), 3), "tokens": count[name]} for name in nll}
+    total = sum(count.values())
+    out["all"] = {"perplexity": round(math.exp(sum(nll.values()) / total), 3), "tokens": total}
+    print(json.dumps(out))
+
+
+def collect(a) -> None:
+    """acceptance.json tables (without the raw per-step lists), training summaries and run facts."""
+    w = a.work
+    figures: dict[str, dict] = {}
+    for path in sorted(w.rglob("acceptance.json")):
+        if "state" in path.parts or "eval-state" in path.parts:
+            continue
+        report = json.loads(path.read_text())
+        figures[str(path.relative_to(w))] = {
+            "per_set": [{k: v for k, v in row.items() if k not in ("accepted", "reached")} for row in report["per_set"]],
+            "settings": report.get("settings"),
+        }
+    for path in sorted(w.rglob("eval.json")):
+        if "drafter" in path.parts:
+            report = json.loads(path.read_text())
+            figures[str(path.relative_to(w))] = {k: report.get(k) for k in (
+                "simulated_acceptance_length", "tau", "step_alpha", "train_tokens", "steps", "tokens_per_s",
+                "train_seconds", "loss")}
+    for path in sorted(w.rglob("train_info.json")):
+        figures[str(path.relative_to(w))] = json.loads(path.read_text())
+    for name in ("manifest.json", "data_config.json", "ppl.json", "conversion.json"):
+        for path in sorted(w.rglob(name)):
+            if "state" not in path.parts and "store" not in path.parts:
+                figures[str(path.relative_to(w))] = json.loads(path.read_text())
+    (a.out / "figures.json").write_text(json.dumps(figures, indent=1, default=str))
+
+
+def drafter_label(path: str) -> str:
+    """evals/<label>/<set>-T<t>/acceptance.json -> <label>"""
+    parts = Path(path).parts
+    return parts[parts.index("evals") + 1] if "evals" in parts else parts[0]
+
+
+def table(a) -> None:
+    """| drafter | set | K | T | τ real | n-gram | simulated | prompts |, then the mean over seeds
+    of each trainer (labels `<trainer>-s<seed>`)."""
+    rows: dict[tuple, float] = {}
+    for figures_path in a.figures:
+        figures = json.loads(Path(figures_path).read_text())
+        for path, fig in figures.items():
+            if not path.endswith("acceptance.json") or "evals" not in path:
+                continue
+            label = drafter_label(path)
+            for r in fig["per_set"]:
+                if r.get("measured") == "simulated" or r["method"] in ("baseline",):
+                    continue
+                key = (label if r["method"] != "ngram" else "ngram", r["prompt_set"], r["draft_tokens"],
+                       float(r["temperature"]))
+                rows[key] = r["acceptance_length"]
+                print(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]:g} | {r['acceptance_length']:.3f} | "
+                      f"{r.get('requests')} |")
+    trainers: dict[tuple, list[float]] = {}
+    for (label, ps, k, t), tau in rows.items():
+        trainer = label.rsplit("-s", 1)[0]
+        trainers.setdefault((trainer, ps, k, t), []).append(tau)
+    print()
+    for (trainer, ps, k, t), taus in sorted(trainers.items()):
+        spread = f" ± {statistics.stdev(taus):.3f}" if len(taus) > 1 else ""
+        print(f"| {trainer} | {ps} | {k} | {t:g} | {statistics.mean(taus):.3f}{spread} | n={len(taus)} |")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("configs")
+    c.add_argument("--work", type=Path, required=True)
+    c.add_argument("--model", type=Path, required=True, help="the converted HF folder")
+    c.add_argument("--data", type=Path, required=True, help="the carried data files")
+    c.add_argument("--tiny", action="store_true")
+    c.add_argument("--override", action="append", default=[], metavar="KEY.PATH=JSON")
+    q = sub.add_parser("ppl")
+    q.add_argument("--results", type=Path, required=True)
+    o = sub.add_parser("collect")
+    o.add_argument("--work", type=Path, required=True)
+    o.add_argument("--out", type=Path, required=True)
+    t = sub.add_parser("table")
+    t.add_argument("figures", nargs="+")
+    a = p.parse_args(argv)
+    {"configs": configs, "ppl": ppl, "collect": collect, "table": table}[a.cmd](a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

