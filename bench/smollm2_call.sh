@@ -9,7 +9,7 @@
 #          workflow's data stages: regenerate (the target answers ShareGPT prompts), tokenize, merge,
 #          extract, vocab; the target's held-out perplexity. Returns the regenerated conversations.
 #   train  on the warm machine's data: our EAGLE-3 and speculators 0.9's at seeds SEEDS (one process
-#          each, side by side), and the workflow's DFlash
+#          each, side by side; NO_SPECULATORS=1 trains ours only), and the workflow's DFlash
 #   eval   every drafter `draftflow evaluate`d on the GPU: real τ at K 3/5/7, T 0 and 1, on MT-bench
 #          (both turns), GSM8K and HumanEval; simulated τ; prompt lookup. At most JOBS at a time.
 #
@@ -85,7 +85,7 @@ elif [ "$mode" = data ]; then
     note "converted: $(tail -c 300 "$W/logs-convert.txt" | tr '\n' ' ')"
     python3 bench/smollm2.py configs --work "$W" --model "$W/real/smollm2-135m-instruct" --data "$S/data" \
         ${TINY:+--tiny} ${OVERRIDES:-} || exit 1
-    timeout $((DEADLINE - $(elapsed) - 20)) "${SMK[@]}" --configfile "$W/config.yaml" \
+    timeout $((DEADLINE - $(elapsed) - 20)) "${SMK[@]}" --configfile="$W/config.yaml" \
         "$W/results/hidden_states/data_config.json" "$W/results/vocab/draft_vocab.safetensors" \
         > "$W/logs-data.txt" 2>&1 || { note "data stages failed"; tail -40 "$W/logs-data.txt"; collect; exit 1; }
     note "data stages done"
@@ -103,13 +103,13 @@ EOF
     collect
 elif [ "$mode" = train ]; then
     pids=()
-    setsid "${SMK[@]}" --nolock --configfile "$W/config.yaml" "$W/results/drafter/dflash" \
+    setsid "${SMK[@]}" --nolock --configfile="$W/config.yaml" "$W/results/drafter/dflash" \
         > "$W/logs-dflash.txt" 2>&1 &
     pids+=("$!")
     for seed in $SEEDS; do pids+=("$(qc ours "$seed")"); done
     first=${SEEDS%% *}
-    pids+=("$(qc speculators "$first")")
-    (  # the other speculators seeds once the first has converted the store (one copy on disk)
+    [ -n "${NO_SPECULATORS:-}" ] || pids+=("$(qc speculators "$first")")
+    [ -n "${NO_SPECULATORS:-}" ] || (  # the other speculators seeds once the first has converted the store (one copy on disk)
         while [ ! -e "$W/qc/speculators_data/draftflow_export.json" ]; do  # interop.SIDECAR: written last
             [ "$(elapsed)" -ge "$DEADLINE" ] && exit 1
             sleep 3
