@@ -40,7 +40,7 @@ def configs(a) -> None:
     config["datasets"]["sharegpt_regen"].update(path=str(data / "sharegpt_prompts.jsonl.gz"))
     # the last 3,000 records of the shipped file, cut off as it is (it does not fit a device call whole)
     config["datasets"]["sharegpt"].update(path=str(data / "sharegpt_tail.json.gz"), shards=1, max_samples=1500)
-    config["regenerate"].update(batch_size=128, max_new_tokens=256)
+    config["regenerate"].update(batch_size=256, max_new_tokens=256)
     # 1024: the speculators copy of the store is uncompressed; both must fit the 64 GB disk
     config["merge"].update(max_seq_len=1024, min_eval_samples=64, samples_per_range=2048)
     config["extract"].update(writer_threads=6)

