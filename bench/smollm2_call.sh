@@ -74,9 +74,11 @@ qc() {  # TRAINER SEED: one trainer at one seed, its own process group
 
 if [ "$mode" = stash ]; then
     stash
-elif [ "$mode" = data ]; then
+fi
+if [ "$mode" = data ] || [ "$mode" = datatrain ]; then
     stash
-    rm -rf "$W" && mkdir -p "$W"
+    [ -n "${RESUME:-}" ] || rm -rf "$W"  # RESUME=1: keep the last call's work (regenerate resumes its groups)
+    mkdir -p "$W"
     cat "$S"/gguf.part.* > "$S/model.gguf"
     sha=$(sha256sum "$S/model.gguf" | cut -d' ' -f1)
     [ "$sha" = "$GGUF_SHA" ] || { note "GGUF sha256 $sha, expected $GGUF_SHA"; exit 1; }
@@ -85,9 +87,12 @@ elif [ "$mode" = data ]; then
     note "converted: $(tail -c 300 "$W/logs-convert.txt" | tr '\n' ' ')"
     python3 bench/smollm2.py configs --work "$W" --model "$W/real/smollm2-135m-instruct" --data "$S/data" \
         ${TINY:+--tiny} ${OVERRIDES:-} || exit 1
-    timeout $((DEADLINE - $(elapsed) - 20)) "${SMK[@]}" --configfile="$W/config.yaml" \
+    # Snakemake answers SIGTERM by waiting for its running jobs (2026-12-03: regenerate ran on past the
+    # call's end), so its jobs get their own kill at the deadline
+    timeout -k 10 $((${DATA_DEADLINE:-$DEADLINE} - $(elapsed) - 20)) "${SMK[@]}" --configfile="$W/config.yaml" \
         "$W/results/hidden_states/data_config.json" "$W/results/vocab/draft_vocab.safetensors" \
-        > "$W/logs-data.txt" 2>&1 || { note "data stages failed"; tail -40 "$W/logs-data.txt"; collect; exit 1; }
+        > "$W/logs-data.txt" 2>&1 || { pkill -f 'draftflow\.cli|bin/draftflow'; note "data stages failed or ran out of time";
+                                      tail -40 "$W/logs-data.txt"; collect; exit 1; }
     note "data stages done"
     ln -sfn "$W/real/smollm2-135m-instruct" "$W/results/target"
     python3 bench/smollm2.py ppl --results "$W/results" > "$W/ppl.json" 2> "$W/logs-ppl.txt" && note "ppl $(cat "$W/ppl.json")"
@@ -101,7 +106,8 @@ with gzip.open(out / "regenerated.jsonl.gz", "wt") as f:
             f.write(json.dumps({"id": r["id"], "messages": r["messages"]}) + "\n")
 EOF
     collect
-elif [ "$mode" = train ]; then
+fi
+if [ "$mode" = train ] || [ "$mode" = datatrain ]; then
     pids=()
     setsid "${SMK[@]}" --nolock --configfile="$W/config.yaml" "$W/results/drafter/dflash" \
         > "$W/logs-dflash.txt" 2>&1 &
@@ -121,7 +127,8 @@ elif [ "$mode" = train ]; then
     wait_all "${pids[@]}"
     note "trained: $(ls -d "$W"/qc/*/drafter "$W/results/drafter/dflash" 2>/dev/null | tr '\n' ' ')"
     collect
-elif [ "$mode" = eval ]; then
+fi
+if [ "$mode" = eval ]; then
     jobs_file="$W/eval-jobs.txt"
     : > "$jobs_file"
     for t in ${TEMPS:-0 1}; do
