@@ -615,7 +615,11 @@ def test_exporting_recipe_norms_names_those_the_sglang_release_would_not_apply(s
     cfg = recipe_drafter.config
     assert sglang_ignored_variants(cfg, "0.5.14") == ["norm_before_fc", "norm_before_residual"]
     assert sglang_ignored_variants(cfg, "0.5.23") == ["norm_before_residual"]
-    assert sglang_ignored_variants(cfg, "0.9.9") == ["norm_before_fc", "norm_before_residual", "norm_output"]
+    # ranges, not points (issue 33: 0.5.18 applies norm_output and was said not to)
+    assert sglang_ignored_variants(cfg, "0.5.18") == ["norm_before_residual"]
+    assert sglang_ignored_variants(cfg, "0.5.16") == ["norm_before_fc", "norm_before_residual"]
+    assert sglang_ignored_variants(cfg, "0.5.11") == ["norm_before_fc", "norm_before_residual", "norm_output"]
+    assert sglang_ignored_variants(cfg, "0.9.9") == ["norm_before_residual"]  # later: as the newest read
     original, _ = load_drafter(saved / "drafter", saved / "target")
     assert sglang_ignored_variants(original.config, "0.5.14") == []  # the default layout: nothing to say
     save_drafter(recipe_drafter, tmp_path / "drafter", dtype=torch.float32)

@@ -1,0 +1,53 @@
+"""What draftflow assumes of SGLang releases, checked against their released source (issue 33:
+a real SGLang 0.5.18 served our export once, outside the tests; SGLang cannot run here).
+
+The files come from the release wheels on PyPI, pinned by sha256 (helpers_engine_source.py);
+helpers_sglang_args.py reads their command-line flags, `ServerArgs` fields and HTTP routes.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from draftflow.drafters.eagle3 import VARIANT_FLAGS
+from draftflow.export.eagle3 import SGLANG_NEWEST_READ, sglang_applied_variants
+from helpers_engine_source import PINNED, SourceUnavailable, engine_source
+from helpers_sglang_args import cli_flags, routes, server_arg_fields, unknown_or_deprecated  # noqa: F401
+
+LLAMA_EAGLE3 = "sglang/srt/models/llama_eagle3.py"
+EAGLE3_RELEASES = sorted((v for (p, v), members in PINNED.items() if p == "sglang" and LLAMA_EAGLE3 in members),
+                         key=lambda v: tuple(map(int, v.split("."))))  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def released_source():
+    try:
+        for project, version in PINNED:
+            if project == "sglang":
+                engine_source(project, version)
+    except SourceUnavailable as e:
+        pytest.fail(str(e))
+
+
+# ---------------------------------------------------------------- recipe norms per release
+
+
+def norms_read(version: str) -> set[str]:
+    """The recipe-norm names the release's LlamaForCausalLMEagle3 source reads from the drafter
+    config (`getattr(config, "norm_output", …)`, `eagle_config.get("norm_before_fc", …)`)."""
+    tree = ast.parse((engine_source("sglang", version) / LLAMA_EAGLE3).read_text(encoding="utf-8"))
+    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in VARIANT_FLAGS}
+
+
+def test_the_recipe_norm_ranges_are_what_each_release_reads():
+    """norm_output from 0.5.12 on (0.5.11 has none), norm_before_fc from 0.5.17 on (0.5.16 has
+    not), norm_before_residual in none; 0.5.18, served in issue 33, applies norm_output (the
+    export warned it did not: any release but 0.5.14 and 0.5.23 counted as applying none)."""
+    assert EAGLE3_RELEASES == ["0.5.11", "0.5.12", "0.5.14", "0.5.16", "0.5.17", "0.5.18", "0.5.23"]
+    for version in EAGLE3_RELEASES:
+        assert sglang_applied_variants(version) == norms_read(version), version
+    assert sglang_applied_variants("0.5.18") == {"norm_output", "norm_before_fc"}
+    assert sglang_applied_variants("0.5.12.post1") == {"norm_output"}
+    assert EAGLE3_RELEASES[-1] == SGLANG_NEWEST_READ
