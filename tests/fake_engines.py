@@ -343,6 +343,7 @@ def _handler_for(server: FakeEngineServer) -> type[BaseHTTPRequestHandler]:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--trust-remote-code", action="store_true")
@@ -382,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     server.die_after = args.fake_die_after
     server.lifetime_s = args.fake_lifetime_s
     signal.signal(signal.SIGTERM, lambda *_: server._stop.set())
-    print(f"fake {args.engine} {server.version} on {server.url}, K = {server.k}", flush=True)
+    print(f"fake {args.engine} {server.version} on {server.url}, K = {server.k}, dtype {args.dtype}", flush=True)
     server.serve()
     return 0
 

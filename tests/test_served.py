@@ -162,7 +162,7 @@ def inputs(tmp_path, target):
     (tmp_path / "question.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
     exported = tmp_path / "export"
     exported.mkdir()
-    (exported / "config.json").write_text("{}")
+    (exported / "config.json").write_text('{"torch_dtype": "bfloat16"}')  # export.dtype's default
     return tmp_path
 
 
@@ -324,7 +324,32 @@ def test_launched_servers_one_per_k_plus_baseline_all_stopped(inputs, target, en
     assert set(report["eagle3"]) == {"2", "3"} and report["acceptance_length"] == report["eagle3"]["3"]["acceptance_length"]
     logs = sorted(p.name for p in (inputs / "state" / "logs").iterdir())
     assert logs == [f"{engine}-baseline.log", f"{engine}-eagle3-k2.log", f"{engine}-eagle3-k3.log"]
-    assert "K = 3" in (inputs / "state" / "logs" / f"{engine}-eagle3-k3.log").read_text()
+    assert "K = 3, dtype bfloat16" in (inputs / "state" / "logs" / f"{engine}-eagle3-k3.log").read_text()
+    assert "dtype bfloat16" in (inputs / "state" / "logs" / f"{engine}-baseline.log").read_text()
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_launched_servers_run_the_target_in_the_drafters_dtype(inputs, target, engine, capsys):
+    """Issue 33: the launched SGLang got no --dtype, its `auto` ran the float32 target in float16
+    against the bfloat16 drafter, and the first forward failed. Every launched server (the
+    baseline too) runs the target in the exported drafter's dtype; vLLM would not fail (it
+    builds the drafter in the target's dtype) but would not serve the export's dtype either."""
+    from draftflow.evaluation.served import ServerConfig, ServerSettings, drafter_dtype, server_argv
+
+    exported = inputs / "export"
+    for dtype in ("float32", "bfloat16"):
+        (exported / "config.json").write_text(json.dumps({"torch_dtype": dtype}))
+        assert drafter_dtype(exported) == dtype
+        for k in (3, 0):
+            argv = server_argv(engine, ServerSettings(port=1), target, exported, ServerConfig(k), False, dtype)
+            assert argv[argv.index("--dtype") + 1] == dtype and argv.count("--dtype") == 1
+    (exported / "config.json").write_text("{}")
+    with pytest.raises(DraftflowError, match="torch_dtype is None, not one of .*re-export the drafter"):
+        drafter_dtype(exported)
+    launcher = [sys.executable, FAKE_ENGINES, engine]
+    server = {"launcher": launcher, "port": free_port(), "startup_timeout_s": 60}
+    assert evaluate(inputs, target, engine, server, prompt_sets={"eval": {"kind": "eval"}}) == 1
+    assert "export/config.json: torch_dtype is None" in capsys.readouterr().err
 
 
 def test_a_launch_onto_a_busy_port_is_refused(inputs, target, capsys):

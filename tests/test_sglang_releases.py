@@ -51,3 +51,27 @@ def test_the_recipe_norm_ranges_are_what_each_release_reads():
     assert sglang_applied_variants("0.5.18") == {"norm_output", "norm_before_fc"}
     assert sglang_applied_variants("0.5.12.post1") == {"norm_output"}
     assert EAGLE3_RELEASES[-1] == SGLANG_NEWEST_READ
+
+
+# ---------------------------------------------------------------- launch commands
+
+
+def exec_flags(script: str) -> list[str]:
+    """The options of a launch.sh's server command (its `exec` line and continuations)."""
+    command = script[script.index("\nexec ") :]
+    return [word.strip('"') for word in command.split() if word.startswith("--")]
+
+
+@pytest.mark.parametrize("version", ["0.5.14", "0.5.18"])
+def test_export_launch_scripts_use_flags_the_release_has(version):
+    """Every option of the exported launch.sh is a current flag of SGLang `version` by its full
+    name (`--tp` only worked as an argparse abbreviation of --tp-size), --dtype included."""
+    from pathlib import Path
+
+    from draftflow.export import dflash, eagle3
+
+    for script in (eagle3.sglang_launch(Path("/t"), 3, 2, True, version, "bfloat16"),
+                   dflash.sglang_launch(Path("/t"), 5, 2, True, version, "bfloat16")):  # fmt: skip
+        flags = exec_flags(script)
+        assert "--dtype" in flags and "--tp-size" in flags
+        assert unknown_or_deprecated(flags, version) == []

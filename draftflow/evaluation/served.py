@@ -242,14 +242,37 @@ VLLM_SERVER = ("-m", "vllm.entrypoints.openai.api_server")
 SGLANG_SERVER = ("-m", "sglang.launch_server")
 
 
+def drafter_dtype(drafter: Path) -> str:
+    """The dtype an exported drafter was written in (its config.json `torch_dtype`, = export.dtype):
+    launched servers run the target in it (SGLang runs target and drafter in one dtype, and its
+    `auto` took a float32 target to float16 against a bfloat16 drafter: issue 33)."""
+    from draftflow.export.common import DTYPES
+    from draftflow.jsonl import read_json
+
+    path = Path(drafter) / "config.json"
+    try:
+        dtype = read_json(path).get("torch_dtype")
+    except FileNotFoundError:
+        raise DraftflowError(f"{path} does not exist: --served-drafter must be an export folder "
+                             "(results/export/<method>/<engine>)") from None  # fmt: skip
+    if dtype not in DTYPES:
+        raise DraftflowError(
+            f"{path}: torch_dtype is {dtype!r}, not one of {sorted(DTYPES)}: the launched server runs the "
+            "target in the drafter's dtype; re-export the drafter with `draftflow export` (export.dtype)"
+        )
+    return dtype
+
+
 def server_argv(
-    engine: str, s: ServerSettings, target: Path, drafter: Path | None, config: ServerConfig, trust: bool
+    engine: str, s: ServerSettings, target: Path, drafter: Path | None, config: ServerConfig, trust: bool, dtype: str
 ) -> list[str]:
-    """The engine's own launch command (as in export's launch.sh), with the drafter at K when k > 0."""
+    """The engine's own launch command (as in export's launch.sh), with the drafter at K when k > 0,
+    and the target in `dtype` (the drafter's; the baseline too, so that its tokens/s compare)."""
     k = config.k
     if engine == "sglang":
         argv = list(s.launcher or (sys.executable, *SGLANG_SERVER))
-        argv += ["--model-path", str(target), "--tp-size", str(s.tensor_parallel), "--host", s.host, "--port", str(s.port)]
+        argv += ["--model-path", str(target), "--tp-size", str(s.tensor_parallel), "--dtype", dtype, "--host", s.host,
+                 "--port", str(s.port)]  # fmt: skip
         if k:
             if config.method != "eagle3":
                 raise DraftflowError(f"evaluate.engine sglang measures EAGLE-3 drafters only, not {config.method}")
@@ -258,8 +281,8 @@ def server_argv(
                      "--speculative-num-draft-tokens", str(k + 1)]  # fmt: skip
     else:
         argv = list(s.launcher or (sys.executable, *VLLM_SERVER))
-        argv += ["--model", str(target), "--tensor-parallel-size", str(s.tensor_parallel), "--host", s.host,
-                 "--port", str(s.port)]  # fmt: skip
+        argv += ["--model", str(target), "--tensor-parallel-size", str(s.tensor_parallel), "--dtype", dtype,
+                 "--host", s.host, "--port", str(s.port)]  # fmt: skip
         # every prompt token must be computed by the measured server, as by the hf engine
         argv.append("--no-enable-prefix-caching")
         if k:
@@ -535,7 +558,8 @@ class ServedRun:
                 check = check_gpus_free()
                 if not check.ok:
                     raise DraftflowError(check.message)
-            argv = server_argv(self.engine, s, self.target, self.drafter, config, self.trust_remote_code)
+            argv = server_argv(self.engine, s, self.target, self.drafter, config, self.trust_remote_code,
+                               drafter_dtype(self.drafter))  # fmt: skip
             server = LaunchedServer(argv, url, self.log_dir / f"{self.engine}-{config.name}.log", s.startup_timeout_s,
                                     self._server_env())  # fmt: skip
         out = {}

