@@ -93,6 +93,7 @@ class FakeEngineServer:
     port: int = 0
     lifetime_s: float = 600.0
     log: list[Logged] = field(default_factory=list)
+    gets: list[str] = field(default_factory=list)  # every GET path asked, in order
 
     def __post_init__(self) -> None:
         self.version = self.version or self.default_version
@@ -186,10 +187,13 @@ def _text(tokens: list[int]) -> str:
     return " ".join(f"w{t}" for t in tokens)
 
 
+@dataclass
 class FakeSGLang(FakeEngineServer):
-    """SGLang 0.5.14: /health, /get_server_info (and /server_info), /get_model_info, /generate."""
+    """SGLang 0.5.14 to 0.5.18: /health, /server_info (and the deprecated /get_server_info),
+    /get_model_info, /generate. `info_paths=("/get_server_info",)`: a release before 0.5.6."""
 
     default_version = SGLANG_VERSION
+    info_paths: tuple[str, ...] = ("/server_info", "/get_server_info")
 
     def server_info(self) -> dict:
         state: dict[str, Any] = {"last_gen_throughput": 0.0}
@@ -205,7 +209,7 @@ class FakeSGLang(FakeEngineServer):
     def get(self, path: str) -> tuple[int, Any, str]:
         if path in ("/health", "/health_generate"):
             return 200, None, ""
-        if path in ("/get_server_info", "/server_info"):
+        if path in self.info_paths:
             return 200, self.server_info(), ""
         if path in ("/get_model_info", "/model_info"):
             return 200, {"model_path": self.model_name, "is_generation": True}, ""
@@ -317,7 +321,9 @@ def _handler_for(server: FakeEngineServer) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
 
         def do_GET(self) -> None:
-            status, body, content_type = server.get(self.path.split("?")[0].rstrip("/") or "/")
+            path = self.path.split("?")[0].rstrip("/") or "/"
+            server.gets.append(path)
+            status, body, content_type = server.get(path)
             self._send(status, body, content_type)
 
         def do_POST(self) -> None:

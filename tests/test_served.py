@@ -224,6 +224,25 @@ def test_sglang_endpoint_acceptance_per_set_matches_a_hand_count(inputs, target)
     assert [o["tokens"] for o in outputs] == [e.tokens for e in log]
 
 
+def test_sglang_server_info_comes_from_the_current_endpoint_with_the_old_one_as_fallback(inputs, target):
+    """Issue 33: evaluation asked only /get_server_info, which SGLang marks deprecated since
+    0.5.6 (0.5.18 logs a warning per call). It asks /server_info, and /get_server_info only on a
+    404 (releases before 0.5.6), by the capture client's logic (engines/sglang_http.py)."""
+    from draftflow.evaluation.served import SGLangClient
+
+    with FakeSGLang(k=3, lifetime_s=60) as server:
+        assert evaluate(inputs, target, "sglang", {"endpoint": server.url}, prompt_sets={"eval": {"kind": "eval"}}) == 0
+        asked = list(server.gets)
+    assert "/server_info" in asked and "/get_server_info" not in asked
+    with FakeSGLang(k=3, info_paths=("/get_server_info",), lifetime_s=60) as old:
+        assert SGLangClient(old.url, 10).info().k == 3
+        assert SGLangClient(old.url, 10).server_average() is None  # nothing decoded yet
+        assert old.gets == ["/server_info", "/get_server_info"] * 2
+    with FakeSGLang(k=3, info_paths=(), lifetime_s=60) as other:
+        with pytest.raises(DraftflowError, match="answers neither /server_info nor /get_server_info"):
+            SGLangClient(other.url, 10).info()
+
+
 def test_vllm_endpoint_with_baseline_and_temperatures(inputs, target):
     with FakeVllm(k=3, latency_s=0.02, lifetime_s=60) as spec, FakeVllm(k=0, latency_s=0.05, lifetime_s=60) as base:
         code = evaluate(inputs, target, "vllm", {"endpoint": spec.url, "baseline_endpoint": base.url},

@@ -75,3 +75,18 @@ def test_export_launch_scripts_use_flags_the_release_has(version):
         flags = exec_flags(script)
         assert "--dtype" in flags and "--tp-size" in flags
         assert unknown_or_deprecated(flags, version) == []
+
+
+# ---------------------------------------------------------------- server information
+
+
+def test_server_info_paths_are_the_releases_routes():
+    """/server_info is current in 0.5.14 and 0.5.18, /get_server_info deprecated there, and the
+    only one in 0.5.5: ask the first, fall back to the second (engines/sglang_http.py)."""
+    from draftflow.engines.sglang_http import SERVER_INFO_PATHS
+
+    current, older = SERVER_INFO_PATHS
+    for version in ("0.5.14", "0.5.18"):
+        served = routes(version)
+        assert served[current] is False and served[older] is True, version
+    assert current not in routes("0.5.5") and routes("0.5.5")[older] is False

@@ -41,7 +41,7 @@ Two ways to run it. In-process (default): `sglang.Engine(**engine_kwargs(...))` 
 the extract job claimed. Server (`extract.sglang.endpoint`, e.g. http://127.0.0.1:30000): a
 server started on the same host by `scripts/launch_sglang.sh extract …` with the same hooks;
 the engine sends token ids to its native `/generate`, reads the capture folder and the
-server's flags from `/get_server_info`, and refuses a server with radix cache or chunked
+server's flags from `/server_info` (`/get_server_info` before 0.5.6), and refuses a server with radix cache or chunked
 prefill on, or hooks for other layers.
 
 Pinned version: `extract.sglang.version` must equal the installed (or serving) SGLang
@@ -378,7 +378,8 @@ class SglangHttpRuntime:
         self.endpoint = endpoint.rstrip("/")
         self.timeout_s = timeout_s
 
-    def _call(self, path: str, body: dict | None = None) -> Any:
+    def _send(self, path: str, body: dict | None = None) -> tuple[int, bytes]:
+        """(HTTP status, body) of one request; CaptureError when the server does not answer."""
         import urllib.error
         import urllib.request
 
@@ -386,20 +387,26 @@ class SglangHttpRuntime:
         request = urllib.request.Request(self.endpoint + path, data=data, headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return json.loads(response.read())
+                return response.status, response.read()
         except urllib.error.HTTPError as e:
-            raise CaptureError(f"{self.endpoint}{path}: HTTP {e.code}: {e.read()[:300]!r}") from None
+            return e.code, e.read() or b""
         except (urllib.error.URLError, OSError) as e:
             raise CaptureError(
                 f"{self.endpoint}{path}: not reachable ({getattr(e, 'reason', e)}); start it with "
                 "scripts/launch_sglang.sh extract … or unset extract.sglang.endpoint"
             ) from None
 
+    def _call(self, path: str, body: dict | None = None) -> Any:
+        status, raw = self._send(path, body)
+        if status != 200:
+            raise CaptureError(f"{self.endpoint}{path}: HTTP {status}: {raw[:300]!r}")
+        return json.loads(raw)
+
     def server_info(self) -> dict:
-        try:
-            return self._call("/get_server_info")
-        except CaptureError:
-            return self._call("/server_info")  # the newer name
+        """/server_info, else /get_server_info (releases before 0.5.6): engines/sglang_http.py."""
+        from draftflow.engines.sglang_http import server_info
+
+        return server_info(self._send, self.endpoint, CaptureError)
 
     def generate(self, input_ids: list[list[int]], sampling_params: dict) -> list[dict]:
         return self._call("/generate", {"input_ids": input_ids, "sampling_params": sampling_params})

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from draftflow.engines.sglang_http import server_info as sglang_server_info
 from draftflow.errors import DraftflowError, reject_unknown_keys
 from draftflow.evaluation.engine_counters import (
     ENGINE_NAMES,
@@ -140,8 +141,13 @@ class SGLangClient:
     def __init__(self, url: str, timeout_s: float):
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
 
+    def server_info(self) -> dict:
+        """/server_info, else /get_server_info (releases before 0.5.6): the capture client's logic
+        (engines/sglang_http.py); ServerGone when the server does not answer."""
+        return sglang_server_info(lambda path: _request(self.url + path, None, self.timeout_s, f"GET {path}"), self.url)
+
     def info(self) -> ServerInfo:
-        info = _json(f"{self.url}/get_server_info", None, self.timeout_s, "GET /get_server_info")
+        info = self.server_info()
         k, topk = sglang_server_k(info)
         details = {key: info.get(key) for key in ("speculative_algorithm", "speculative_num_steps",
                    "speculative_eagle_topk", "speculative_num_draft_tokens", "tp_size", "model_path")}  # fmt: skip
@@ -164,8 +170,7 @@ class SGLangClient:
         return total
 
     def server_average(self) -> float | None:
-        info = _json(f"{self.url}/get_server_info", None, self.timeout_s, "GET /get_server_info")
-        return sglang_avg_accept_length(info)
+        return sglang_avg_accept_length(self.server_info())
 
 
 def meta_fields(meta: dict) -> dict:
