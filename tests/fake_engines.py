@@ -369,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     sg.add_argument("--speculative-num-steps", type=int, default=None)
     sg.add_argument("--speculative-eagle-topk", type=int, default=None)
     sg.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    sg.add_argument("--disable-radix-cache", action="store_true")
     _common(sg)
     vl = sub.add_parser("vllm", help="takes `python -m vllm.entrypoints.openai.api_server` arguments")
     vl.add_argument("--model", required=True)
@@ -389,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     server.die_after = args.fake_die_after
     server.lifetime_s = args.fake_lifetime_s
     signal.signal(signal.SIGTERM, lambda *_: server._stop.set())
-    print(f"fake {args.engine} {server.version} on {server.url}, K = {server.k}, dtype {args.dtype}", flush=True)
+    cache_off = getattr(args, "disable_radix_cache", False) or getattr(args, "no_enable_prefix_caching", False)
+    cache = "prefix cache off" if cache_off else "prefix cache ON"
+    print(f"fake {args.engine} {server.version} on {server.url}, K = {server.k}, dtype {args.dtype}, {cache}", flush=True)
     server.serve()
     return 0
 

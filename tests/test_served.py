@@ -345,6 +345,20 @@ def test_launched_servers_one_per_k_plus_baseline_all_stopped(inputs, target, en
     assert logs == [f"{engine}-baseline.log", f"{engine}-eagle3-k2.log", f"{engine}-eagle3-k3.log"]
     assert "K = 3, dtype bfloat16" in (inputs / "state" / "logs" / f"{engine}-eagle3-k3.log").read_text()
     assert "dtype bfloat16" in (inputs / "state" / "logs" / f"{engine}-baseline.log").read_text()
+    for log_file in (inputs / "state" / "logs").iterdir():  # SGLang's radix cache too (issue 33)
+        assert "prefix cache off" in log_file.read_text(), log_file.name
+
+
+@pytest.mark.parametrize("k", [3, 0])
+def test_launched_servers_compute_every_prompt_token(target, k):
+    """Issue 33: the launched vLLM ran without prefix caching, SGLang with its radix cache on.
+    Both engines now compute every prompt token, the baseline too (as the hf engine does)."""
+    from draftflow.evaluation.served import ServerConfig, ServerSettings, server_argv
+
+    sglang = server_argv("sglang", ServerSettings(port=1), target, target, ServerConfig(k), False, "bfloat16")
+    assert sglang.count("--disable-radix-cache") == 1
+    vllm = server_argv("vllm", ServerSettings(port=1), target, target, ServerConfig(k), False, "bfloat16")
+    assert vllm.count("--no-enable-prefix-caching") == 1
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])

@@ -90,3 +90,16 @@ def test_server_info_paths_are_the_releases_routes():
         served = routes(version)
         assert served[current] is False and served[older] is True, version
     assert current not in routes("0.5.5") and routes("0.5.5")[older] is False
+
+
+@pytest.mark.parametrize("version", ["0.5.14", "0.5.18"])
+def test_evaluations_launch_command_uses_flags_the_release_has(version, tmp_path):
+    """The served evaluation's SGLang command (drafter and baseline): --dtype, --disable-radix-cache
+    and the speculative flags are current flags of the release by their full names."""
+    from draftflow.evaluation.served import ServerConfig, ServerSettings, server_argv
+
+    for k in (3, 0):
+        argv = server_argv("sglang", ServerSettings(port=30000, launcher=("python3", "-m", "sglang.launch_server")),
+                           tmp_path, tmp_path, ServerConfig(k), True, "bfloat16")  # fmt: skip
+        assert {"--dtype", "--disable-radix-cache"} <= set(argv)
+        assert unknown_or_deprecated(argv, version) == []

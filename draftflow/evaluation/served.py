@@ -278,6 +278,9 @@ def server_argv(
         argv = list(s.launcher or (sys.executable, *SGLANG_SERVER))
         argv += ["--model-path", str(target), "--tp-size", str(s.tensor_parallel), "--dtype", dtype, "--host", s.host,
                  "--port", str(s.port)]  # fmt: skip
+        # every prompt token must be computed by the measured server, as by the hf engine (and as
+        # vLLM below): no radix (prefix) cache, e.g. for an MT-bench second turn
+        argv.append("--disable-radix-cache")
         if k:
             if config.method != "eagle3":
                 raise DraftflowError(f"evaluate.engine sglang measures EAGLE-3 drafters only, not {config.method}")
