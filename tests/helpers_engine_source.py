@@ -45,7 +45,8 @@ PINNED: dict[tuple[str, str], dict[str, str]] = {
     },
     # The releases around each recipe norm's first appearance (export/eagle3.py SGLANG_VARIANT_SINCE),
     # the server arguments and routes of the default extraction release (0.5.14) and of the one
-    # run on a CPU (0.5.18, issue 33), and 0.5.5, the last release without /server_info
+    # run on a CPU (0.5.18, issue 33), 0.5.13's arguments (the last without
+    # --cuda-graph-backend-*), and 0.5.5, the last release without /server_info
     # (tests/test_sglang_releases.py).
     ("sglang", "0.5.5"): {
         "sglang/srt/entrypoints/http_server.py": "00733d30128f53d9f297db060e4314f7b1fb2d446a9823b1685626a058f7cb04",
@@ -55,6 +56,9 @@ PINNED: dict[tuple[str, str], dict[str, str]] = {
     },
     ("sglang", "0.5.12"): {
         "sglang/srt/models/llama_eagle3.py": "3ad47dd17affcdc25e70538e8d319912ac57190b80b0e112f5dd8cf71c5770a5",
+    },
+    ("sglang", "0.5.13"): {
+        "sglang/srt/server_args.py": "cc4f440c0987d7a6ee6868f3e41271809c5c1d3015ddcfbd6f79dc19367d5c8d",
     },
     ("sglang", "0.5.16"): {
         "sglang/srt/models/llama_eagle3.py": "0b198f993b3a65a861fc345c4d5ecab30204d8081151540db1428bc56c3b0002",

@@ -103,3 +103,48 @@ def test_evaluations_launch_command_uses_flags_the_release_has(version, tmp_path
                            tmp_path, tmp_path, ServerConfig(k), True, "bfloat16")  # fmt: skip
         assert {"--dtype", "--disable-radix-cache"} <= set(argv)
         assert unknown_or_deprecated(argv, version) == []
+
+
+# ---------------------------------------------------------------- the extraction server
+
+
+def launch_sglang_extract(tmp_path, *extra: str) -> list[str]:
+    """scripts/launch_sglang.sh extract --dry-run on a tiny config (this Python has no SGLang)."""
+    import json
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 6, "hidden_size": 32}))
+    env = {**os.environ, "PYTHON": sys.executable}
+    run = subprocess.run(["bash", str(REPO / "scripts" / "launch_sglang.sh"), "extract", str(model), "--dry-run", *extra],
+                         capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    return shlex.split(run.stdout)
+
+
+@pytest.mark.parametrize("version", ["0.5.14", "0.5.18"])
+def test_the_extraction_server_command_uses_flags_the_release_has(version, tmp_path):
+    """Issue 33: launch_sglang.sh passed --disable-cuda-graph, deprecated since 0.5.14 (0.5.18
+    warns: use --cuda-graph-backend-{decode,prefill}=disabled)."""
+    cmd = launch_sglang_extract(tmp_path)
+    assert unknown_or_deprecated(cmd, version) == []
+
+
+def test_cuda_graphs_are_turned_off_as_each_release_spells_it():
+    """0.5.13 knows only --disable-cuda-graph; 0.5.14 and later the per-phase backends (the old
+    flag deprecated). The installed release picks (none installed: the current spelling)."""
+    from draftflow.engines.sglang_capture import cuda_graph_off_flags
+
+    current, deprecated = cli_flags("0.5.13")
+    assert "--disable-cuda-graph" in current and "--cuda-graph-backend-decode" not in current | deprecated
+    assert cuda_graph_off_flags("0.5.13") == ["--disable-cuda-graph"]
+    for version in ("0.5.14", "0.5.18", "0.5.18.post1"):
+        flags = cuda_graph_off_flags(version)
+        assert unknown_or_deprecated(flags, version.split(".post")[0]) == [] and "disabled" in flags
+    assert cuda_graph_off_flags(None) == cuda_graph_off_flags("0.5.18")

@@ -74,6 +74,11 @@ log = logging.getLogger(__name__)
 
 HOOK_FACTORY = "draftflow.engines.sglang_capture:capture_hook_factory"
 ERROR_FILE = "ERROR"
+# SGLang 0.5.14 deprecated the launch flag --disable-cuda-graph (it warns, then maps it) for
+# --cuda-graph-backend-{decode,prefill} disabled: server_args.py of 0.5.13 has only the former,
+# of 0.5.14 and 0.5.18 both, the former deprecated (the ServerArgs field disable_cuda_graph, which
+# engine_kwargs sets, stays and is honoured).
+SGLANG_GRAPH_BACKEND_FLAGS = (0, 5, 14)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -304,6 +309,26 @@ def fit_to_server_args(kwargs: dict[str, Any], fields: set[str], version: str) -
     if dropped:
         log.info("SGLang %s has no %s; not set", version, dropped)
     return {k: v for k, v in kwargs.items() if k in fields}
+
+
+def cuda_graph_off_flags(version: str | None) -> list[str]:
+    """The `sglang.launch_server` flags that turn CUDA graphs off (hooks fire only on modules run
+    eagerly) in SGLang `version`; None (not installed here): the current spelling."""
+    from draftflow.engines.layer_ids import parse_version
+
+    if version is not None and parse_version(version) < SGLANG_GRAPH_BACKEND_FLAGS:
+        return ["--disable-cuda-graph"]
+    return ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+
+
+def installed_sglang_release() -> str | None:
+    """The installed SGLang's version from its package metadata (without importing it), or None."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 # ---------------------------------------------------------------- client side: reading results
@@ -613,7 +638,9 @@ class SglangCaptureEngine:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m draftflow.engines.sglang_capture hooks --target DIR --aux 2,30,58 --capture-dir D`
-    prints the --forward-hooks JSON an extraction server needs."""
+    prints the --forward-hooks JSON an extraction server needs; `… graph-flags [--version V]`
+    the flags that turn CUDA graphs off in that SGLang release (default: the installed one), one
+    per line."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m draftflow.engines.sglang_capture")
@@ -622,7 +649,12 @@ def main(argv: list[str] | None = None) -> int:
     hooks.add_argument("--target", type=Path, required=True, help="model folder (its config.json)")
     hooks.add_argument("--aux", default=None, help="comma-separated aux layer ids (default: [1, N//2-1, N-4])")
     hooks.add_argument("--capture-dir", type=Path, required=True)
+    graph = sub.add_parser("graph-flags", help="print the flags that turn CUDA graphs off, one per line")
+    graph.add_argument("--version", default=None, help="SGLang release (default: the installed one)")
     args = parser.parse_args(argv)
+    if args.command == "graph-flags":
+        print("\n".join(cuda_graph_off_flags(args.version or installed_sglang_release())))
+        return 0
     config = _read_config(args.target)
     arch = architecture_of(config)
     num_layers = int(config["num_hidden_layers"])
