@@ -148,3 +148,92 @@ def test_cuda_graphs_are_turned_off_as_each_release_spells_it():
         flags = cuda_graph_off_flags(version)
         assert unknown_or_deprecated(flags, version.split(".post")[0]) == [] and "disabled" in flags
     assert cuda_graph_off_flags(None) == cuda_graph_off_flags("0.5.18")
+
+
+# ---------------------------------------------------------------- in-process capture on a CPU job
+
+
+class RecordedEngine:
+    """Stands in for `sglang.Engine`: records its keyword arguments."""
+
+    instances: list["RecordedEngine"] = []
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        RecordedEngine.instances.append(self)
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def sglang_0_5_18(monkeypatch):
+    """An importable `sglang` 0.5.18 whose ServerArgs has the released fields and whose Engine records."""
+    import dataclasses
+    import sys
+    import types
+
+    module = types.ModuleType("sglang")
+    module.__version__ = "0.5.18"
+    module.Engine = RecordedEngine
+    server_args = types.ModuleType("sglang.srt.server_args")
+    server_args.ServerArgs = dataclasses.make_dataclass("ServerArgs", sorted(server_arg_fields("0.5.18")))
+    for name, mod in (("sglang", module), ("sglang.srt", types.ModuleType("sglang.srt")),
+                      ("sglang.srt.server_args", server_args)):  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    RecordedEngine.instances.clear()
+
+
+@pytest.fixture
+def tiny_target(tmp_path):
+    import json
+
+    path = tmp_path / "target"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                                  "num_hidden_layers": 6, "hidden_size": 32}))  # fmt: skip
+    return path
+
+
+def test_a_job_without_gpus_captures_on_sglangs_cpu_backend(sglang_0_5_18, tiny_target):
+    """Issue 33: a job on a host without GPUs (extract.gpus_per_job 1: the claim fell back to the
+    CPU) was told to "set extract.gpus_per_job to 1". In-process sglang.Engine capture runs on
+    SGLang's CPU backend (shown on a CPU build with that check bypassed): the engine starts there
+    with device "cpu", every argument a ServerArgs field of 0.5.18."""
+    from draftflow.engines.capture import make_capture_engine
+
+    settings = {"engine": "sglang", "aux_layer_ids": [1, 2, 4], "dtype": "bfloat16", "gpus_per_job": 1,
+                "tensor_parallel": 1, "sglang": {"version": "0.5.18"}}  # fmt: skip
+    engine = make_capture_engine(settings, tiny_target, ["cpu"])
+    try:
+        kwargs = RecordedEngine.instances[-1].kwargs
+        assert kwargs["device"] == "cpu" and kwargs["tp_size"] == 1 and kwargs["dtype"] == "bfloat16"
+        assert kwargs["disable_radix_cache"] is True and kwargs["forward_hooks"]
+        assert set(kwargs) <= server_arg_fields("0.5.18")
+        assert engine.engine_layer_ids == [2, 3, 5]
+    finally:
+        engine.close()
+    # a GPU job keeps its checks and SGLang's own device choice
+    engine = make_capture_engine({**settings, "tensor_parallel": 2, "gpus_per_job": 2}, tiny_target, ["cuda:0", "cuda:1"])
+    engine.close()
+    assert "device" not in RecordedEngine.instances[-1].kwargs
+    from draftflow.engines.capture import CaptureError
+
+    with pytest.raises(CaptureError, match=r"tensor_parallel is 2 but this job holds 1 GPU\(s\).*gpus_per_job to 2"):
+        make_capture_engine({**settings, "tensor_parallel": 2}, tiny_target, ["cuda:0"])
+
+
+def test_cpu_tensor_parallel_is_what_sglangs_cpu_backend_allows(monkeypatch):
+    """One rank per NUMA node, or per CPU list in SGLANG_CPU_OMP_THREADS_BIND (0.5.18's
+    numa_utils.init_threads_binding asserts it in the workers; here it is refused up front)."""
+    from draftflow.engines.capture import CaptureError
+    from draftflow.engines.sglang_capture import check_cpu_tensor_parallel
+
+    check_cpu_tensor_parallel(1, 1, None)
+    check_cpu_tensor_parallel(2, 2, None)
+    check_cpu_tensor_parallel(4, 2, "0-15|16-31|32-47|48-63")
+    with pytest.raises(CaptureError, match="this host has 1 NUMA node.*at most that"):
+        check_cpu_tensor_parallel(2, 1, None)
+    with pytest.raises(CaptureError, match="names the CPUs of 2 tensor-parallel rank.*tensor_parallel is 1"):
+        check_cpu_tensor_parallel(1, 2, "0-15|16-31")

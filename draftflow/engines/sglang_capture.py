@@ -38,11 +38,13 @@ Layer ids: we hook the layers directly, so no SGLang id arithmetic applies to ex
 draft config needs for the pinned version (layer_ids.py, including the deepseek_v2 rule).
 
 Two ways to run it. In-process (default): `sglang.Engine(**engine_kwargs(...))` on the GPUs
-the extract job claimed. Server (`extract.sglang.endpoint`, e.g. http://127.0.0.1:30000): a
-server started on the same host by `scripts/launch_sglang.sh extract …` with the same hooks;
-the engine sends token ids to its native `/generate`, reads the capture folder and the
-server's flags from `/server_info` (`/get_server_info` before 0.5.6), and refuses a server with radix cache or chunked
-prefill on, or hooks for other layers.
+the extract job claimed, or on a job without GPUs on SGLang's CPU backend (`device="cpu"`; a
+CPU build of SGLang, e.g. Intel AMX hosts; one tensor-parallel rank per NUMA node). Server
+(`extract.sglang.endpoint`, e.g. http://127.0.0.1:30000): a server started on the same host by
+`scripts/launch_sglang.sh extract …` with the same hooks; the engine sends token ids to its
+native `/generate`, reads the capture folder and the server's flags from `/server_info`
+(`/get_server_info` before 0.5.6), and refuses a server with radix cache or chunked prefill on,
+or hooks for other layers.
 
 Pinned version: `extract.sglang.version` must equal the installed (or serving) SGLang
 release (the version enters the store digest). Tested here without SGLang: the hooks on
@@ -270,9 +272,12 @@ def engine_kwargs(
     batch_tokens: int = 16384,
     trust_remote_code: bool = False,
     seed: int = 0,
+    device: str | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments of `sglang.Engine` for extraction (all are ServerArgs fields)."""
+    """Keyword arguments of `sglang.Engine` for extraction (all are ServerArgs fields); `device`
+    None: SGLang's own choice (the GPUs), "cpu": its CPU backend."""
     return {
+        **({"device": device} if device else {}),
         "model_path": str(target_dir),
         "tp_size": int(tensor_parallel),
         "dtype": dtype,
@@ -329,6 +334,48 @@ def installed_sglang_release() -> str | None:
         return importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def sglang_device(devices: Sequence[str], tensor_parallel: int) -> str:
+    """'cuda' for a job holding GPUs (at least tensor_parallel of them); 'cpu' for a job holding
+    none (extract.gpus_per_job 0, extract.device cpu, or a host without GPUs, where the claim
+    already fell back to the CPU): SGLang's CPU backend (ServerArgs.device "cpu"), which runs
+    `sglang.Engine` capture as on a GPU (issue 33: run on a CPU build with this check bypassed)."""
+    gpus = [d for d in devices if d.startswith("cuda")]
+    if not gpus:
+        check_cpu_tensor_parallel(tensor_parallel, numa_node_count(), os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"))
+        return "cpu"
+    if len(gpus) < tensor_parallel:
+        raise CaptureError(
+            f"extract.tensor_parallel is {tensor_parallel} but this job holds {len(gpus)} GPU(s) ({list(devices)}); "
+            f"set extract.gpus_per_job to {tensor_parallel}"
+        )
+    return "cuda"
+
+
+def check_cpu_tensor_parallel(tensor_parallel: int, numa_nodes: int, bind: str | None) -> None:
+    """SGLang's CPU backend runs one tensor-parallel rank per NUMA node, or per '|'-separated CPU
+    list in SGLANG_CPU_OMP_THREADS_BIND (sglang/srt/utils/numa_utils.py init_threads_binding, 0.5.18,
+    asserts the same inside its workers): refuse here what it would refuse there."""
+    if bind:
+        ranks = len(bind.split("|"))
+        if ranks != tensor_parallel:
+            raise CaptureError(
+                f"SGLANG_CPU_OMP_THREADS_BIND={bind!r} names the CPUs of {ranks} tensor-parallel rank(s) but "
+                f"extract.tensor_parallel is {tensor_parallel}: give one '|'-separated CPU list per rank"
+            )
+    elif tensor_parallel > max(numa_nodes, 1):
+        raise CaptureError(
+            f"extract.tensor_parallel is {tensor_parallel} on a CPU job but this host has {numa_nodes} NUMA node(s): "
+            "SGLang's CPU backend runs one rank per NUMA node; set extract.tensor_parallel to at most that, or "
+            "name each rank's CPUs in SGLANG_CPU_OMP_THREADS_BIND (e.g. 0-15|16-31 for 2)"
+        )
+
+
+def numa_node_count() -> int:
+    """NUMA nodes of this host (Linux sysfs; 1 where it cannot tell)."""
+    nodes = [p for p in Path("/sys/devices/system/node").glob("node[0-9]*") if p.name[4:].isdigit()]
+    return len(nodes) or 1
 
 
 # ---------------------------------------------------------------- client side: reading results
@@ -570,18 +617,14 @@ class SglangCaptureEngine:
         pinned = str((settings.get("sglang") or {}).get("version") or installed)
         check_pinned_version(installed, pinned, "sglang", "extract.sglang.version")
         tp = int(settings.get("tensor_parallel", 1))
-        gpus = [d for d in devices if d.startswith("cuda")]
-        if len(gpus) < tp:
-            raise CaptureError(
-                f"extract.tensor_parallel is {tp} but this job holds {len(gpus)} GPU(s) ({devices}); "
-                f"set extract.gpus_per_job to {tp}"
-            )
+        on_cpu = sglang_device(devices, tp) == "cpu"
         capture_dir = default_capture_dir()
         kwargs = engine_kwargs(
             target_dir, arch, aux, capture_dir,
             dtype=settings.get("dtype", "bfloat16"), tensor_parallel=tp,
             batch_tokens=int(settings.get("batch_tokens", 16384)),
             trust_remote_code=bool(settings.get("trust_remote_code", False)),
+            device="cpu" if on_cpu else None,
         )  # fmt: skip
         import dataclasses
 
@@ -589,7 +632,11 @@ class SglangCaptureEngine:
         from sglang.srt.server_args import ServerArgs
 
         kwargs = fit_to_server_args(kwargs, {f.name for f in dataclasses.fields(ServerArgs)}, installed)
-        log.info("sglang %s engine: %s, tp %d, aux layers %s, captures in %s", installed, target_dir, tp, aux, capture_dir)
+        log.info("sglang %s engine on %s: %s, tp %d, aux layers %s, captures in %s", installed,
+                 "the CPU" if on_cpu else ",".join(devices), target_dir, tp, aux, capture_dir)  # fmt: skip
+        if on_cpu and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+            log.info("sglang CPU backend: each tensor-parallel rank takes one NUMA node's cores "
+                     "(set SGLANG_CPU_OMP_THREADS_BIND to choose them)")  # fmt: skip
         runtime = sglang.Engine(**kwargs)
         for leftover in capture_dir.iterdir():  # warm-up forwards may have written files
             leftover.unlink()
