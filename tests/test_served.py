@@ -376,6 +376,11 @@ def test_launched_servers_run_the_target_in_the_drafters_dtype(inputs, target, e
         for k in (3, 0):
             argv = server_argv(engine, ServerSettings(port=1), target, exported, ServerConfig(k), False, dtype)
             assert argv[argv.index("--dtype") + 1] == dtype and argv.count("--dtype") == 1
+    # a --dtype of the user's own (config/vllm-cpu.yaml: float32, as the hf engine on a CPU) wins
+    for extra in (("--dtype", "float32"), ("--dtype=float32",)):
+        argv = server_argv(engine, ServerSettings(port=1, extra_args=extra), target, exported, ServerConfig(3), False,
+                           "bfloat16")  # fmt: skip
+        assert [a for a in argv if a.startswith("--dtype")] == [extra[0]] and argv[-len(extra):] == list(extra)
     (exported / "config.json").write_text("{}")
     with pytest.raises(DraftflowError, match="torch_dtype is None, not one of .*re-export the drafter"):
         drafter_dtype(exported)

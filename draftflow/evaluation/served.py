@@ -268,15 +268,23 @@ def drafter_dtype(drafter: Path) -> str:
     return dtype
 
 
+def has_option(args: Sequence[str], option: str) -> bool:
+    """`option` among command-line arguments, as `--opt value` or `--opt=value`."""
+    return any(a == option or a.startswith(option + "=") for a in args)
+
+
 def server_argv(
     engine: str, s: ServerSettings, target: Path, drafter: Path | None, config: ServerConfig, trust: bool, dtype: str
 ) -> list[str]:
     """The engine's own launch command (as in export's launch.sh), with the drafter at K when k > 0,
-    and the target in `dtype` (the drafter's; the baseline too, so that its tokens/s compare)."""
+    and the target in `dtype` (the drafter's; the baseline too, so that its tokens/s compare)
+    unless evaluate.server.extra_args gives its own --dtype (config/vllm-cpu.yaml: float32, as
+    the hf engine computes on a CPU)."""
     k = config.k
+    dtype_args = [] if has_option(s.extra_args, "--dtype") else ["--dtype", dtype]
     if engine == "sglang":
         argv = list(s.launcher or (sys.executable, *SGLANG_SERVER))
-        argv += ["--model-path", str(target), "--tp-size", str(s.tensor_parallel), "--dtype", dtype, "--host", s.host,
+        argv += ["--model-path", str(target), "--tp-size", str(s.tensor_parallel), *dtype_args, "--host", s.host,
                  "--port", str(s.port)]  # fmt: skip
         # every prompt token must be computed by the measured server, as by the hf engine (and as
         # vLLM below): no radix (prefix) cache, e.g. for an MT-bench second turn
@@ -289,7 +297,7 @@ def server_argv(
                      "--speculative-num-draft-tokens", str(k + 1)]  # fmt: skip
     else:
         argv = list(s.launcher or (sys.executable, *VLLM_SERVER))
-        argv += ["--model", str(target), "--tensor-parallel-size", str(s.tensor_parallel), "--dtype", dtype,
+        argv += ["--model", str(target), "--tensor-parallel-size", str(s.tensor_parallel), *dtype_args,
                  "--host", s.host, "--port", str(s.port)]  # fmt: skip
         # every prompt token must be computed by the measured server, as by the hf engine
         argv.append("--no-enable-prefix-caching")
