@@ -70,6 +70,7 @@ PINNED: dict[tuple[str, str], dict[str, str]] = {
         "sglang/srt/models/llama_eagle3.py": "16ab0259f7823174688e0461827aecdc51edeb7693eb720c9a0f7cab3bdcc8cb",
         "sglang/srt/server_args.py": "5ed5badef8dca0ee3dd2b34a1c9c417e172ff1a947d9fe802f7983fb4a2be950",
         "sglang/srt/entrypoints/http_server.py": "305a02a9238b62da90c9dc90ecbbdc0811ba7725f13056677e3ed7dbbfc81d4e",
+        "sglang/srt/configs/model_config.py": "85b640f0ad80e77a6556fdfb1838240b0080d60f18e0dcbeb507fa5d7df178a3",
     },
     ("sglang", "0.5.23"): {
         "sglang/srt/models/llama_eagle3.py": "b25e5f839b088ddf50138bce4a3c4569acc31f8203727b9a7e2a53c337287dac",

@@ -53,6 +53,29 @@ def test_the_recipe_norm_ranges_are_what_each_release_reads():
     assert EAGLE3_RELEASES[-1] == SGLANG_NEWEST_READ
 
 
+# ---------------------------------------------------------------- dtype
+
+
+def test_sglangs_auto_dtype_splits_a_float32_target_from_a_bfloat16_drafter():
+    """Why launch.sh needs --dtype (issue 33): 0.5.18's own dtype rule (configs/model_config.py,
+    run here) turns `auto` into float16 for a float32 config and keeps bfloat16 for the drafter's
+    (Half != BFloat16 in fc); --dtype bfloat16 gives both the drafter's dtype."""
+    import logging
+
+    import torch
+
+    from helpers_engine_source import load_defs
+
+    path = engine_source("sglang", "0.5.18") / "sglang/srt/configs/model_config.py"
+    env = load_defs(path, ["_STR_DTYPE_TO_TORCH_DTYPE", "_get_and_verify_dtype"],
+                    {"logger": logging.getLogger("released-sglang")})  # fmt: skip
+    resolve = env["_get_and_verify_dtype"]
+    target = {"model_type": "llama", "torch_dtype": "float32"}  # the embedded default target
+    drafter = {"model_type": "llama", "torch_dtype": "bfloat16"}  # export.dtype's default
+    assert (resolve(target, "auto"), resolve(drafter, "auto")) == (torch.float16, torch.bfloat16)
+    assert resolve(target, "bfloat16") == resolve(drafter, "bfloat16") == torch.bfloat16
+
+
 # ---------------------------------------------------------------- launch commands
 
 
