@@ -8,7 +8,8 @@
 #       a capture server for `extract` with engine sglang (config: extract.sglang.endpoint:
 #       http://HOST:PORT): draftflow's forward hooks on the aux layers and the final norm,
 #       radix (prefix) cache off and chunked prefill off, so every token of every sample runs
-#       through every layer; CUDA graphs off (hooks only fire on eagerly run modules)
+#       through every layer; CUDA graphs off (hooks only fire on eagerly run modules:
+#       --cuda-graph-backend-{decode,prefill} disabled, or --disable-cuda-graph before SGLang 0.5.14)
 #
 # Options:
 #   --port P            (30000)        --host H   (127.0.0.1)
@@ -23,7 +24,7 @@
 # holding the GPUs is refused here, not discovered after the model failed to load.
 set -euo pipefail
 
-usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 [[ $# -ge 2 ]] || usage
 MODE=$1 MODEL=$2
 shift 2
@@ -57,7 +58,10 @@ if [[ $MODE == extract ]]; then
     [[ -n $AUX ]] && AUX_ARGS=(--aux "$AUX")
     HOOKS=$("$PYTHON" -m draftflow.engines.sglang_capture hooks --target "$MODEL" "${AUX_ARGS[@]}" --capture-dir "$CAPTURE_DIR")
     [[ $DRY == 1 ]] || mkdir -p "$CAPTURE_DIR"
-    CMD+=(--disable-radix-cache --chunked-prefill-size -1 --disable-cuda-graph --forward-hooks "$HOOKS")
+    # CUDA graphs off, spelled as the installed SGLang wants it (0.5.14 deprecated --disable-cuda-graph)
+    GRAPH_OFF_LINES=$("$PYTHON" -m draftflow.engines.sglang_capture graph-flags)
+    mapfile -t GRAPH_OFF <<< "$GRAPH_OFF_LINES"
+    CMD+=(--disable-radix-cache --chunked-prefill-size -1 "${GRAPH_OFF[@]}" --forward-hooks "$HOOKS")
 fi
 CMD+=("${EXTRA[@]}")
 

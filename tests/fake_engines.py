@@ -93,6 +93,7 @@ class FakeEngineServer:
     port: int = 0
     lifetime_s: float = 600.0
     log: list[Logged] = field(default_factory=list)
+    gets: list[str] = field(default_factory=list)  # every GET path asked, in order
 
     def __post_init__(self) -> None:
         self.version = self.version or self.default_version
@@ -186,10 +187,13 @@ def _text(tokens: list[int]) -> str:
     return " ".join(f"w{t}" for t in tokens)
 
 
+@dataclass
 class FakeSGLang(FakeEngineServer):
-    """SGLang 0.5.14: /health, /get_server_info (and /server_info), /get_model_info, /generate."""
+    """SGLang 0.5.14 to 0.5.18: /health, /server_info (and the deprecated /get_server_info),
+    /get_model_info, /generate. `info_paths=("/get_server_info",)`: a release before 0.5.6."""
 
     default_version = SGLANG_VERSION
+    info_paths: tuple[str, ...] = ("/server_info", "/get_server_info")
 
     def server_info(self) -> dict:
         state: dict[str, Any] = {"last_gen_throughput": 0.0}
@@ -205,7 +209,7 @@ class FakeSGLang(FakeEngineServer):
     def get(self, path: str) -> tuple[int, Any, str]:
         if path in ("/health", "/health_generate"):
             return 200, None, ""
-        if path in ("/get_server_info", "/server_info"):
+        if path in self.info_paths:
             return 200, self.server_info(), ""
         if path in ("/get_model_info", "/model_info"):
             return 200, {"model_path": self.model_name, "is_generation": True}, ""
@@ -317,7 +321,9 @@ def _handler_for(server: FakeEngineServer) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
 
         def do_GET(self) -> None:
-            status, body, content_type = server.get(self.path.split("?")[0].rstrip("/") or "/")
+            path = self.path.split("?")[0].rstrip("/") or "/"
+            server.gets.append(path)
+            status, body, content_type = server.get(path)
             self._send(status, body, content_type)
 
         def do_POST(self) -> None:
@@ -343,6 +349,7 @@ def _handler_for(server: FakeEngineServer) -> type[BaseHTTPRequestHandler]:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--trust-remote-code", action="store_true")
@@ -362,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     sg.add_argument("--speculative-num-steps", type=int, default=None)
     sg.add_argument("--speculative-eagle-topk", type=int, default=None)
     sg.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    sg.add_argument("--disable-radix-cache", action="store_true")
     _common(sg)
     vl = sub.add_parser("vllm", help="takes `python -m vllm.entrypoints.openai.api_server` arguments")
     vl.add_argument("--model", required=True)
@@ -382,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     server.die_after = args.fake_die_after
     server.lifetime_s = args.fake_lifetime_s
     signal.signal(signal.SIGTERM, lambda *_: server._stop.set())
-    print(f"fake {args.engine} {server.version} on {server.url}, K = {server.k}", flush=True)
+    cache_off = getattr(args, "disable_radix_cache", False) or getattr(args, "no_enable_prefix_caching", False)
+    cache = "prefix cache off" if cache_off else "prefix cache ON"
+    print(f"fake {args.engine} {server.version} on {server.url}, K = {server.k}, dtype {args.dtype}, {cache}", flush=True)
     server.serve()
     return 0
 

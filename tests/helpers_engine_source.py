@@ -40,6 +40,37 @@ PINNED: dict[tuple[str, str], dict[str, str]] = {
         "sglang/srt/speculative/dflash_utils.py": "80d9edc2e83b4cd86c05ae27e4c9d960a318e5e99dd14c9e91ee89a287565249",
         "sglang/srt/models/utils.py": "f040ef267b81a5fb8b71174e0a702f8ac4a8339249299675106845033bfb1124",
         "sglang/srt/utils/hf_transformers/common.py": "07c06ada18b78b1901eaca49bc5eeac224f8f8407f7a854ee50fc9e026c990d2",
+        "sglang/srt/server_args.py": "e1eebd7fa8e5b0c7cb31371e24b4700dd2cdfe6c4b6edd0e417c6a71fade48b8",
+        "sglang/srt/entrypoints/http_server.py": "7854f5bec953d0b69874d4220f4982249d24017f2a1225ddd9ea3e5b7ada1d23",
+    },
+    # The releases around each recipe norm's first appearance (export/eagle3.py SGLANG_VARIANT_SINCE),
+    # the server arguments and routes of the default extraction release (0.5.14) and of the one
+    # run on a CPU (0.5.18, issue 33), 0.5.13's arguments (the last without
+    # --cuda-graph-backend-*), and 0.5.5, the last release without /server_info
+    # (tests/test_sglang_releases.py).
+    ("sglang", "0.5.5"): {
+        "sglang/srt/entrypoints/http_server.py": "00733d30128f53d9f297db060e4314f7b1fb2d446a9823b1685626a058f7cb04",
+    },
+    ("sglang", "0.5.11"): {
+        "sglang/srt/models/llama_eagle3.py": "2fee23a6f22493f8056a807bb3ea2bdb8e4edd8bbe7e96bcd17fb90776acdad0",
+    },
+    ("sglang", "0.5.12"): {
+        "sglang/srt/models/llama_eagle3.py": "3ad47dd17affcdc25e70538e8d319912ac57190b80b0e112f5dd8cf71c5770a5",
+    },
+    ("sglang", "0.5.13"): {
+        "sglang/srt/server_args.py": "cc4f440c0987d7a6ee6868f3e41271809c5c1d3015ddcfbd6f79dc19367d5c8d",
+    },
+    ("sglang", "0.5.16"): {
+        "sglang/srt/models/llama_eagle3.py": "0b198f993b3a65a861fc345c4d5ecab30204d8081151540db1428bc56c3b0002",
+    },
+    ("sglang", "0.5.17"): {
+        "sglang/srt/models/llama_eagle3.py": "16ab0259f7823174688e0461827aecdc51edeb7693eb720c9a0f7cab3bdcc8cb",
+    },
+    ("sglang", "0.5.18"): {
+        "sglang/srt/models/llama_eagle3.py": "16ab0259f7823174688e0461827aecdc51edeb7693eb720c9a0f7cab3bdcc8cb",
+        "sglang/srt/server_args.py": "5ed5badef8dca0ee3dd2b34a1c9c417e172ff1a947d9fe802f7983fb4a2be950",
+        "sglang/srt/entrypoints/http_server.py": "305a02a9238b62da90c9dc90ecbbdc0811ba7725f13056677e3ed7dbbfc81d4e",
+        "sglang/srt/configs/model_config.py": "85b640f0ad80e77a6556fdfb1838240b0080d60f18e0dcbeb507fa5d7df178a3",
     },
     ("sglang", "0.5.23"): {
         "sglang/srt/models/llama_eagle3.py": "b25e5f839b088ddf50138bce4a3c4569acc31f8203727b9a7e2a53c337287dac",

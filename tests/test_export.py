@@ -354,6 +354,10 @@ def test_the_default_export_targets_the_schema_default_releases():
     extract_props = schema["properties"]["extract"]["properties"]
     assert ExportSettings().sglang_version == export_props["sglang_version"]["default"]
     assert ExportSettings().vllm_version == export_props["vllm_version"]["default"]
+    from draftflow.export.common import DTYPES
+
+    assert ExportSettings().dtype == export_props["dtype"]["default"] == "bfloat16"  # export.dtype (issue 33)
+    assert sorted(export_props["dtype"]["enum"]) == sorted(DTYPES)
     assert export_props["sglang_version"]["default"] == extract_props["sglang"]["properties"]["version"]["default"]
     assert export_props["vllm_version"]["default"] == extract_props["vllm"]["properties"]["version"]["default"]
 
@@ -383,13 +387,28 @@ def test_launch_scripts_run_the_exact_server_commands(saved, tmp_path):
     assert argv == [
         "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm", "EAGLE3",
         "--speculative-draft-model-path", str(sg), "--speculative-num-steps", "4", "--speculative-eagle-topk", "1",
-        "--speculative-num-draft-tokens", "5", "--tp", "2", "--port", "30000",
+        "--speculative-num-draft-tokens", "5", "--tp-size", "2", "--dtype", "bfloat16", "--port", "30000",
     ]  # fmt: skip
     vl = (saved / "out" / "vllm").resolve()
     argv = run_launch(vl / "launch.sh", tmp_path, "python3")  # the `vllm` command fails on the CPU build
-    assert argv[:6] == ["-m", "vllm.entrypoints.openai.api_server", "--model", target, "--tensor-parallel-size", "2"]
-    assert argv[6] == "--speculative-config" and argv[8:] == ["--port", "30000"]
-    assert json.loads(argv[7]) == {"method": "eagle3", "model": str(vl), "num_speculative_tokens": 4}
+    assert argv[:8] == ["-m", "vllm.entrypoints.openai.api_server", "--model", target, "--tensor-parallel-size", "2",
+                        "--dtype", "bfloat16"]  # fmt: skip
+    assert argv[8] == "--speculative-config" and argv[10:] == ["--port", "30000"]
+    assert json.loads(argv[9]) == {"method": "eagle3", "model": str(vl), "num_speculative_tokens": 4}
+
+
+def test_launch_scripts_serve_the_target_in_the_drafters_dtype(saved, tmp_path):
+    """Issue 33: launch.sh passed no --dtype, SGLang's `auto` ran the float32 target in float16
+    against the bfloat16 drafter, and its first forward failed (Half != BFloat16 in fc). Both
+    engines now run the target in the dtype the drafter was written in (export.dtype)."""
+    for dtype in ("bfloat16", "float32"):
+        manifest = export(saved, f"out-{dtype}", dtype=dtype)
+        assert manifest["settings"]["dtype"] == dtype
+        for engine in ("sglang", "vllm"):
+            folder = saved / f"out-{dtype}" / engine
+            argv = run_launch(folder / "launch.sh", tmp_path, "python3")
+            assert argv[argv.index("--dtype") + 1] == dtype == json.loads((folder / "config.json").read_text())["torch_dtype"]
+            assert load_file(str(folder / "model.safetensors"))["fc.weight"].dtype == getattr(torch, dtype)
 
 
 def test_moved_export_serves_a_target_given_by_argument_or_environment(saved, tmp_path):
@@ -615,7 +634,11 @@ def test_exporting_recipe_norms_names_those_the_sglang_release_would_not_apply(s
     cfg = recipe_drafter.config
     assert sglang_ignored_variants(cfg, "0.5.14") == ["norm_before_fc", "norm_before_residual"]
     assert sglang_ignored_variants(cfg, "0.5.23") == ["norm_before_residual"]
-    assert sglang_ignored_variants(cfg, "0.9.9") == ["norm_before_fc", "norm_before_residual", "norm_output"]
+    # ranges, not points (issue 33: 0.5.18 applies norm_output and was said not to)
+    assert sglang_ignored_variants(cfg, "0.5.18") == ["norm_before_residual"]
+    assert sglang_ignored_variants(cfg, "0.5.16") == ["norm_before_fc", "norm_before_residual"]
+    assert sglang_ignored_variants(cfg, "0.5.11") == ["norm_before_fc", "norm_before_residual", "norm_output"]
+    assert sglang_ignored_variants(cfg, "0.9.9") == ["norm_before_residual"]  # later: as the newest read
     original, _ = load_drafter(saved / "drafter", saved / "target")
     assert sglang_ignored_variants(original.config, "0.5.14") == []  # the default layout: nothing to say
     save_drafter(recipe_drafter, tmp_path / "drafter", dtype=torch.float32)

@@ -196,14 +196,14 @@ def test_launch_scripts_run_the_exact_dflash_server_commands(saved, tmp_path):
     sg = (saved / "out-l" / "sglang").resolve()
     assert run_launch(sg / "launch.sh", tmp_path, "python3") == [
         "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm", "DFLASH",
-        "--speculative-draft-model-path", str(sg), "--speculative-num-draft-tokens", str(BLOCK), "--tp", "2",
-        "--port", "30000",
+        "--speculative-draft-model-path", str(sg), "--speculative-num-draft-tokens", str(BLOCK), "--tp-size", "2",
+        "--dtype", "bfloat16", "--port", "30000",
     ]  # fmt: skip
     vl = (saved / "out-l" / "vllm").resolve()
     argv = run_launch(vl / "launch.sh", tmp_path, "python3")
-    assert argv[:7] == ["-m", "vllm.entrypoints.openai.api_server", "--model", target, "--tensor-parallel-size", "2",
-                        "--speculative-config"]  # fmt: skip
-    assert json.loads(argv[7]) == {"method": "dflash", "model": str(vl), "num_speculative_tokens": BLOCK - 1}
+    assert argv[:9] == ["-m", "vllm.entrypoints.openai.api_server", "--model", target, "--tensor-parallel-size", "2",
+                        "--dtype", "bfloat16", "--speculative-config"]  # fmt: skip
+    assert json.loads(argv[9]) == {"method": "dflash", "model": str(vl), "num_speculative_tokens": BLOCK - 1}
 
 
 def test_exported_drafter_loads_back_unchanged(saved):

@@ -162,7 +162,7 @@ def inputs(tmp_path, target):
     (tmp_path / "question.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
     exported = tmp_path / "export"
     exported.mkdir()
-    (exported / "config.json").write_text("{}")
+    (exported / "config.json").write_text('{"torch_dtype": "bfloat16"}')  # export.dtype's default
     return tmp_path
 
 
@@ -222,6 +222,25 @@ def test_sglang_endpoint_acceptance_per_set_matches_a_hand_count(inputs, target)
     assert turn2.prompt[: len(turn1.prompt) - 4] == turn1.prompt[: len(turn1.prompt) - 4] and len(turn2.prompt) > len(turn1.prompt)
     outputs = [json.loads(line) for line in (inputs / "eval" / "outputs.jsonl").read_text().splitlines()]
     assert [o["tokens"] for o in outputs] == [e.tokens for e in log]
+
+
+def test_sglang_server_info_comes_from_the_current_endpoint_with_the_old_one_as_fallback(inputs, target):
+    """Issue 33: evaluation asked only /get_server_info, which SGLang marks deprecated since
+    0.5.6 (0.5.18 logs a warning per call). It asks /server_info, and /get_server_info only on a
+    404 (releases before 0.5.6), by the capture client's logic (engines/sglang_http.py)."""
+    from draftflow.evaluation.served import SGLangClient
+
+    with FakeSGLang(k=3, lifetime_s=60) as server:
+        assert evaluate(inputs, target, "sglang", {"endpoint": server.url}, prompt_sets={"eval": {"kind": "eval"}}) == 0
+        asked = list(server.gets)
+    assert "/server_info" in asked and "/get_server_info" not in asked
+    with FakeSGLang(k=3, info_paths=("/get_server_info",), lifetime_s=60) as old:
+        assert SGLangClient(old.url, 10).info().k == 3
+        assert SGLangClient(old.url, 10).server_average() is None  # nothing decoded yet
+        assert old.gets == ["/server_info", "/get_server_info"] * 2
+    with FakeSGLang(k=3, info_paths=(), lifetime_s=60) as other:
+        with pytest.raises(DraftflowError, match="answers neither /server_info nor /get_server_info"):
+            SGLangClient(other.url, 10).info()
 
 
 def test_vllm_endpoint_with_baseline_and_temperatures(inputs, target):
@@ -324,7 +343,51 @@ def test_launched_servers_one_per_k_plus_baseline_all_stopped(inputs, target, en
     assert set(report["eagle3"]) == {"2", "3"} and report["acceptance_length"] == report["eagle3"]["3"]["acceptance_length"]
     logs = sorted(p.name for p in (inputs / "state" / "logs").iterdir())
     assert logs == [f"{engine}-baseline.log", f"{engine}-eagle3-k2.log", f"{engine}-eagle3-k3.log"]
-    assert "K = 3" in (inputs / "state" / "logs" / f"{engine}-eagle3-k3.log").read_text()
+    assert "K = 3, dtype bfloat16" in (inputs / "state" / "logs" / f"{engine}-eagle3-k3.log").read_text()
+    assert "dtype bfloat16" in (inputs / "state" / "logs" / f"{engine}-baseline.log").read_text()
+    for log_file in (inputs / "state" / "logs").iterdir():  # SGLang's radix cache too (issue 33)
+        assert "prefix cache off" in log_file.read_text(), log_file.name
+
+
+@pytest.mark.parametrize("k", [3, 0])
+def test_launched_servers_compute_every_prompt_token(target, k):
+    """Issue 33: the launched vLLM ran without prefix caching, SGLang with its radix cache on.
+    Both engines now compute every prompt token, the baseline too (as the hf engine does)."""
+    from draftflow.evaluation.served import ServerConfig, ServerSettings, server_argv
+
+    sglang = server_argv("sglang", ServerSettings(port=1), target, target, ServerConfig(k), False, "bfloat16")
+    assert sglang.count("--disable-radix-cache") == 1
+    vllm = server_argv("vllm", ServerSettings(port=1), target, target, ServerConfig(k), False, "bfloat16")
+    assert vllm.count("--no-enable-prefix-caching") == 1
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_launched_servers_run_the_target_in_the_drafters_dtype(inputs, target, engine, capsys):
+    """Issue 33: the launched SGLang got no --dtype, its `auto` ran the float32 target in float16
+    against the bfloat16 drafter, and the first forward failed. Every launched server (the
+    baseline too) runs the target in the exported drafter's dtype; vLLM would not fail (it
+    builds the drafter in the target's dtype) but would not serve the export's dtype either."""
+    from draftflow.evaluation.served import ServerConfig, ServerSettings, drafter_dtype, server_argv
+
+    exported = inputs / "export"
+    for dtype in ("float32", "bfloat16"):
+        (exported / "config.json").write_text(json.dumps({"torch_dtype": dtype}))
+        assert drafter_dtype(exported) == dtype
+        for k in (3, 0):
+            argv = server_argv(engine, ServerSettings(port=1), target, exported, ServerConfig(k), False, dtype)
+            assert argv[argv.index("--dtype") + 1] == dtype and argv.count("--dtype") == 1
+    # a --dtype of the user's own (config/vllm-cpu.yaml: float32, as the hf engine on a CPU) wins
+    for extra in (("--dtype", "float32"), ("--dtype=float32",)):
+        argv = server_argv(engine, ServerSettings(port=1, extra_args=extra), target, exported, ServerConfig(3), False,
+                           "bfloat16")  # fmt: skip
+        assert [a for a in argv if a.startswith("--dtype")] == [extra[0]] and argv[-len(extra):] == list(extra)
+    (exported / "config.json").write_text("{}")
+    with pytest.raises(DraftflowError, match="torch_dtype is None, not one of .*re-export the drafter"):
+        drafter_dtype(exported)
+    launcher = [sys.executable, FAKE_ENGINES, engine]
+    server = {"launcher": launcher, "port": free_port(), "startup_timeout_s": 60}
+    assert evaluate(inputs, target, engine, server, prompt_sets={"eval": {"kind": "eval"}}) == 1
+    assert "export/config.json: torch_dtype is None" in capsys.readouterr().err
 
 
 def test_a_launch_onto_a_busy_port_is_refused(inputs, target, capsys):

@@ -199,6 +199,9 @@ def test_launch_sglang_flags_per_stage(target):
     cmd = shlex.split(run.stdout)
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and cmd[cmd.index("--tp-size") + 1] == "2"
     assert "--disable-radix-cache" in cmd and cmd[cmd.index("--chunked-prefill-size") + 1] == "-1"
+    # CUDA graphs off in the current spelling (issue 33: --disable-cuda-graph is deprecated since 0.5.14)
+    assert "--disable-cuda-graph" not in cmd
+    assert cmd[cmd.index("--cuda-graph-backend-decode") + 1] == cmd[cmd.index("--cuda-graph-backend-prefill") + 1] == "disabled"
     hooks = json.loads(cmd[cmd.index("--forward-hooks") + 1])
     assert [h["target_modules"] for h in hooks] == [["model.layers.0"], ["model.layers.1"], ["model.layers.2"], ["model.norm"]]
     assert "gpus_free" in run.stdout + run.stderr  # the GPU check ran first

@@ -450,7 +450,7 @@ def test_vllm_engine_capture_matches_the_hf_engine(tmp_path, target, reference):
 
 
 def test_sglang_server_mode_checks_the_running_server(tmp_path):
-    """`/get_server_info` of a server started by scripts/launch_sglang.sh extract (recorded fields)."""
+    """`/server_info` of a server started by scripts/launch_sglang.sh extract (recorded fields)."""
     info = {
         "version": "0.5.14", "disable_radix_cache": True, "chunked_prefill_size": -1,
         "forward_hooks": S.hook_specs(KIMI, [2, 30, 58], tmp_path), "tp_size": 8,
@@ -466,3 +466,19 @@ def test_sglang_server_mode_checks_the_running_server(tmp_path):
         S.capture_dir_from_server({**info, "enable_dp_attention": True}, KIMI, [2, 30, 58], "0.5.14")
     with pytest.raises(CaptureError, match="runs 0.5.14 but extract.sglang.version is 0.5.13"):
         S.capture_dir_from_server(info, KIMI, [2, 30, 58], "0.5.13")
+
+
+def test_sglang_server_mode_asks_server_info_then_the_older_name():
+    """The capture client's /server_info with /get_server_info as the fallback for releases
+    before 0.5.6 (it asked the deprecated name first); the served evaluation shares the logic."""
+    from fake_engines import FakeSGLang
+
+    with FakeSGLang(k=0, lifetime_s=60) as server:
+        assert S.SglangHttpRuntime(server.url, 10).server_info()["version"] == server.version
+        assert server.gets == ["/server_info"]
+    with FakeSGLang(k=0, info_paths=("/get_server_info",), lifetime_s=60) as old:
+        assert S.SglangHttpRuntime(old.url, 10).server_info()["version"] == old.version
+        assert old.gets == ["/server_info", "/get_server_info"]
+    port = old.port  # stopped: nothing answers there now
+    with pytest.raises(CaptureError, match="not reachable .*scripts/launch_sglang.sh extract"):
+        S.SglangHttpRuntime(f"http://127.0.0.1:{port}", 5).server_info()

@@ -38,11 +38,13 @@ Layer ids: we hook the layers directly, so no SGLang id arithmetic applies to ex
 draft config needs for the pinned version (layer_ids.py, including the deepseek_v2 rule).
 
 Two ways to run it. In-process (default): `sglang.Engine(**engine_kwargs(...))` on the GPUs
-the extract job claimed. Server (`extract.sglang.endpoint`, e.g. http://127.0.0.1:30000): a
-server started on the same host by `scripts/launch_sglang.sh extract …` with the same hooks;
-the engine sends token ids to its native `/generate`, reads the capture folder and the
-server's flags from `/get_server_info`, and refuses a server with radix cache or chunked
-prefill on, or hooks for other layers.
+the extract job claimed, or on a job without GPUs on SGLang's CPU backend (`device="cpu"`; a
+CPU build of SGLang, e.g. Intel AMX hosts; one tensor-parallel rank per NUMA node). Server
+(`extract.sglang.endpoint`, e.g. http://127.0.0.1:30000): a server started on the same host by
+`scripts/launch_sglang.sh extract …` with the same hooks; the engine sends token ids to its
+native `/generate`, reads the capture folder and the server's flags from `/server_info`
+(`/get_server_info` before 0.5.6), and refuses a server with radix cache or chunked prefill on,
+or hooks for other layers.
 
 Pinned version: `extract.sglang.version` must equal the installed (or serving) SGLang
 release (the version enters the store digest). Tested here without SGLang: the hooks on
@@ -74,6 +76,11 @@ log = logging.getLogger(__name__)
 
 HOOK_FACTORY = "draftflow.engines.sglang_capture:capture_hook_factory"
 ERROR_FILE = "ERROR"
+# SGLang 0.5.14 deprecated the launch flag --disable-cuda-graph (it warns, then maps it) for
+# --cuda-graph-backend-{decode,prefill} disabled: server_args.py of 0.5.13 has only the former,
+# of 0.5.14 and 0.5.18 both, the former deprecated (the ServerArgs field disable_cuda_graph, which
+# engine_kwargs sets, stays and is honoured).
+SGLANG_GRAPH_BACKEND_FLAGS = (0, 5, 14)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -265,9 +272,12 @@ def engine_kwargs(
     batch_tokens: int = 16384,
     trust_remote_code: bool = False,
     seed: int = 0,
+    device: str | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments of `sglang.Engine` for extraction (all are ServerArgs fields)."""
+    """Keyword arguments of `sglang.Engine` for extraction (all are ServerArgs fields); `device`
+    None: SGLang's own choice (the GPUs), "cpu": its CPU backend."""
     return {
+        **({"device": device} if device else {}),
         "model_path": str(target_dir),
         "tp_size": int(tensor_parallel),
         "dtype": dtype,
@@ -304,6 +314,68 @@ def fit_to_server_args(kwargs: dict[str, Any], fields: set[str], version: str) -
     if dropped:
         log.info("SGLang %s has no %s; not set", version, dropped)
     return {k: v for k, v in kwargs.items() if k in fields}
+
+
+def cuda_graph_off_flags(version: str | None) -> list[str]:
+    """The `sglang.launch_server` flags that turn CUDA graphs off (hooks fire only on modules run
+    eagerly) in SGLang `version`; None (not installed here): the current spelling."""
+    from draftflow.engines.layer_ids import parse_version
+
+    if version is not None and parse_version(version) < SGLANG_GRAPH_BACKEND_FLAGS:
+        return ["--disable-cuda-graph"]
+    return ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+
+
+def installed_sglang_release() -> str | None:
+    """The installed SGLang's version from its package metadata (without importing it), or None."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def sglang_device(devices: Sequence[str], tensor_parallel: int) -> str:
+    """'cuda' for a job holding GPUs (at least tensor_parallel of them); 'cpu' for a job holding
+    none (extract.gpus_per_job 0, extract.device cpu, or a host without GPUs, where the claim
+    already fell back to the CPU): SGLang's CPU backend (ServerArgs.device "cpu"), which runs
+    `sglang.Engine` capture as on a GPU (issue 33: run on a CPU build with this check bypassed)."""
+    gpus = [d for d in devices if d.startswith("cuda")]
+    if not gpus:
+        check_cpu_tensor_parallel(tensor_parallel, numa_node_count(), os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"))
+        return "cpu"
+    if len(gpus) < tensor_parallel:
+        raise CaptureError(
+            f"extract.tensor_parallel is {tensor_parallel} but this job holds {len(gpus)} GPU(s) ({list(devices)}); "
+            f"set extract.gpus_per_job to {tensor_parallel}"
+        )
+    return "cuda"
+
+
+def check_cpu_tensor_parallel(tensor_parallel: int, numa_nodes: int, bind: str | None) -> None:
+    """SGLang's CPU backend runs one tensor-parallel rank per NUMA node, or per '|'-separated CPU
+    list in SGLANG_CPU_OMP_THREADS_BIND (sglang/srt/utils/numa_utils.py init_threads_binding, 0.5.18,
+    asserts the same inside its workers): refuse here what it would refuse there."""
+    if bind:
+        ranks = len(bind.split("|"))
+        if ranks != tensor_parallel:
+            raise CaptureError(
+                f"SGLANG_CPU_OMP_THREADS_BIND={bind!r} names the CPUs of {ranks} tensor-parallel rank(s) but "
+                f"extract.tensor_parallel is {tensor_parallel}: give one '|'-separated CPU list per rank"
+            )
+    elif tensor_parallel > max(numa_nodes, 1):
+        raise CaptureError(
+            f"extract.tensor_parallel is {tensor_parallel} on a CPU job but this host has {numa_nodes} NUMA node(s): "
+            "SGLang's CPU backend runs one rank per NUMA node; set extract.tensor_parallel to at most that, or "
+            "name each rank's CPUs in SGLANG_CPU_OMP_THREADS_BIND (e.g. 0-15|16-31 for 2)"
+        )
+
+
+def numa_node_count() -> int:
+    """NUMA nodes of this host (Linux sysfs; 1 where it cannot tell)."""
+    nodes = [p for p in Path("/sys/devices/system/node").glob("node[0-9]*") if p.name[4:].isdigit()]
+    return len(nodes) or 1
 
 
 # ---------------------------------------------------------------- client side: reading results
@@ -378,7 +450,8 @@ class SglangHttpRuntime:
         self.endpoint = endpoint.rstrip("/")
         self.timeout_s = timeout_s
 
-    def _call(self, path: str, body: dict | None = None) -> Any:
+    def _send(self, path: str, body: dict | None = None) -> tuple[int, bytes]:
+        """(HTTP status, body) of one request; CaptureError when the server does not answer."""
         import urllib.error
         import urllib.request
 
@@ -386,20 +459,26 @@ class SglangHttpRuntime:
         request = urllib.request.Request(self.endpoint + path, data=data, headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return json.loads(response.read())
+                return response.status, response.read()
         except urllib.error.HTTPError as e:
-            raise CaptureError(f"{self.endpoint}{path}: HTTP {e.code}: {e.read()[:300]!r}") from None
+            return e.code, e.read() or b""
         except (urllib.error.URLError, OSError) as e:
             raise CaptureError(
                 f"{self.endpoint}{path}: not reachable ({getattr(e, 'reason', e)}); start it with "
                 "scripts/launch_sglang.sh extract … or unset extract.sglang.endpoint"
             ) from None
 
+    def _call(self, path: str, body: dict | None = None) -> Any:
+        status, raw = self._send(path, body)
+        if status != 200:
+            raise CaptureError(f"{self.endpoint}{path}: HTTP {status}: {raw[:300]!r}")
+        return json.loads(raw)
+
     def server_info(self) -> dict:
-        try:
-            return self._call("/get_server_info")
-        except CaptureError:
-            return self._call("/server_info")  # the newer name
+        """/server_info, else /get_server_info (releases before 0.5.6): engines/sglang_http.py."""
+        from draftflow.engines.sglang_http import server_info
+
+        return server_info(self._send, self.endpoint, CaptureError)
 
     def generate(self, input_ids: list[list[int]], sampling_params: dict) -> list[dict]:
         return self._call("/generate", {"input_ids": input_ids, "sampling_params": sampling_params})
@@ -538,18 +617,14 @@ class SglangCaptureEngine:
         pinned = str((settings.get("sglang") or {}).get("version") or installed)
         check_pinned_version(installed, pinned, "sglang", "extract.sglang.version")
         tp = int(settings.get("tensor_parallel", 1))
-        gpus = [d for d in devices if d.startswith("cuda")]
-        if len(gpus) < tp:
-            raise CaptureError(
-                f"extract.tensor_parallel is {tp} but this job holds {len(gpus)} GPU(s) ({devices}); "
-                f"set extract.gpus_per_job to {tp}"
-            )
+        on_cpu = sglang_device(devices, tp) == "cpu"
         capture_dir = default_capture_dir()
         kwargs = engine_kwargs(
             target_dir, arch, aux, capture_dir,
             dtype=settings.get("dtype", "bfloat16"), tensor_parallel=tp,
             batch_tokens=int(settings.get("batch_tokens", 16384)),
             trust_remote_code=bool(settings.get("trust_remote_code", False)),
+            device="cpu" if on_cpu else None,
         )  # fmt: skip
         import dataclasses
 
@@ -557,7 +632,11 @@ class SglangCaptureEngine:
         from sglang.srt.server_args import ServerArgs
 
         kwargs = fit_to_server_args(kwargs, {f.name for f in dataclasses.fields(ServerArgs)}, installed)
-        log.info("sglang %s engine: %s, tp %d, aux layers %s, captures in %s", installed, target_dir, tp, aux, capture_dir)
+        log.info("sglang %s engine on %s: %s, tp %d, aux layers %s, captures in %s", installed,
+                 "the CPU" if on_cpu else ",".join(devices), target_dir, tp, aux, capture_dir)  # fmt: skip
+        if on_cpu and not os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+            log.info("sglang CPU backend: each tensor-parallel rank takes one NUMA node's cores "
+                     "(set SGLANG_CPU_OMP_THREADS_BIND to choose them)")  # fmt: skip
         runtime = sglang.Engine(**kwargs)
         for leftover in capture_dir.iterdir():  # warm-up forwards may have written files
             leftover.unlink()
@@ -606,7 +685,9 @@ class SglangCaptureEngine:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m draftflow.engines.sglang_capture hooks --target DIR --aux 2,30,58 --capture-dir D`
-    prints the --forward-hooks JSON an extraction server needs."""
+    prints the --forward-hooks JSON an extraction server needs; `… graph-flags [--version V]`
+    the flags that turn CUDA graphs off in that SGLang release (default: the installed one), one
+    per line."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m draftflow.engines.sglang_capture")
@@ -615,7 +696,12 @@ def main(argv: list[str] | None = None) -> int:
     hooks.add_argument("--target", type=Path, required=True, help="model folder (its config.json)")
     hooks.add_argument("--aux", default=None, help="comma-separated aux layer ids (default: [1, N//2-1, N-4])")
     hooks.add_argument("--capture-dir", type=Path, required=True)
+    graph = sub.add_parser("graph-flags", help="print the flags that turn CUDA graphs off, one per line")
+    graph.add_argument("--version", default=None, help="SGLang release (default: the installed one)")
     args = parser.parse_args(argv)
+    if args.command == "graph-flags":
+        print("\n".join(cuda_graph_off_flags(args.version or installed_sglang_release())))
+        return 0
     config = _read_config(args.target)
     arch = architecture_of(config)
     num_layers = int(config["num_hidden_layers"])

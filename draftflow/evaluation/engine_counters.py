@@ -6,13 +6,13 @@ build. Another release is measured as well: what it must satisfy is checked at r
 counters exist, and they move while a prompt set with drafts is decoded), and a release outside
 `CHECKED` is named in a warning.
 
-SGLang 0.5.14 (`POST /generate` with `input_ids`, `GET /get_server_info`):
+SGLang 0.5.14 (`POST /generate` with `input_ids`, `GET /server_info`, before 0.5.6 `/get_server_info`):
 - every finished request's `meta_info` carries `spec_verify_ct` (verify forward passes),
   `spec_num_correct_drafts` (accepted draft tokens, bonus excluded),
   `spec_correct_drafts_histogram` (h[a] = verify steps that accepted exactly a drafts),
   `spec_accept_length` (= completion_tokens / spec_verify_ct, the first token included) and
   `completion_tokens`;
-- `/get_server_info` → `version`, the server args (`speculative_algorithm`,
+- `/server_info` → `version`, the server args (`speculative_algorithm`,
   `speculative_num_steps`, `speculative_eagle_topk`, `speculative_num_draft_tokens`, `tp_size`)
   and `internal_states[i].avg_spec_accept_length` = lifetime (accepted drafts + verify steps) /
   verify steps, refreshed at the scheduler's decode log interval (so it lags; kept as a check).
@@ -205,7 +205,7 @@ def sglang_request_counts(meta: dict, k: int, where: str) -> SpecCounts:
 
 
 def sglang_server_k(info: dict) -> tuple[int, int]:
-    """(K drafts per verify step, topk) from `/get_server_info`; chain drafting (topk 1) drafts
+    """(K drafts per verify step, topk) from `/server_info`; chain drafting (topk 1) drafts
     speculative_num_steps tokens (= num_draft_tokens - 1)."""
     algorithm = info.get("speculative_algorithm")
     if not algorithm:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from draftflow.engines.sglang_http import server_info as sglang_server_info
 from draftflow.errors import DraftflowError, reject_unknown_keys
 from draftflow.evaluation.engine_counters import (
     ENGINE_NAMES,
@@ -140,8 +141,13 @@ class SGLangClient:
     def __init__(self, url: str, timeout_s: float):
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
 
+    def server_info(self) -> dict:
+        """/server_info, else /get_server_info (releases before 0.5.6): the capture client's logic
+        (engines/sglang_http.py); ServerGone when the server does not answer."""
+        return sglang_server_info(lambda path: _request(self.url + path, None, self.timeout_s, f"GET {path}"), self.url)
+
     def info(self) -> ServerInfo:
-        info = _json(f"{self.url}/get_server_info", None, self.timeout_s, "GET /get_server_info")
+        info = self.server_info()
         k, topk = sglang_server_k(info)
         details = {key: info.get(key) for key in ("speculative_algorithm", "speculative_num_steps",
                    "speculative_eagle_topk", "speculative_num_draft_tokens", "tp_size", "model_path")}  # fmt: skip
@@ -164,8 +170,7 @@ class SGLangClient:
         return total
 
     def server_average(self) -> float | None:
-        info = _json(f"{self.url}/get_server_info", None, self.timeout_s, "GET /get_server_info")
-        return sglang_avg_accept_length(info)
+        return sglang_avg_accept_length(self.server_info())
 
 
 def meta_fields(meta: dict) -> dict:
@@ -242,14 +247,48 @@ VLLM_SERVER = ("-m", "vllm.entrypoints.openai.api_server")
 SGLANG_SERVER = ("-m", "sglang.launch_server")
 
 
+def drafter_dtype(drafter: Path) -> str:
+    """The dtype an exported drafter was written in (its config.json `torch_dtype`, = export.dtype):
+    launched servers run the target in it (SGLang runs target and drafter in one dtype, and its
+    `auto` took a float32 target to float16 against a bfloat16 drafter: issue 33)."""
+    from draftflow.export.common import DTYPES
+    from draftflow.jsonl import read_json
+
+    path = Path(drafter) / "config.json"
+    try:
+        dtype = read_json(path).get("torch_dtype")
+    except FileNotFoundError:
+        raise DraftflowError(f"{path} does not exist: --served-drafter must be an export folder "
+                             "(results/export/<method>/<engine>)") from None  # fmt: skip
+    if dtype not in DTYPES:
+        raise DraftflowError(
+            f"{path}: torch_dtype is {dtype!r}, not one of {sorted(DTYPES)}: the launched server runs the "
+            "target in the drafter's dtype; re-export the drafter with `draftflow export` (export.dtype)"
+        )
+    return dtype
+
+
+def has_option(args: Sequence[str], option: str) -> bool:
+    """`option` among command-line arguments, as `--opt value` or `--opt=value`."""
+    return any(a == option or a.startswith(option + "=") for a in args)
+
+
 def server_argv(
-    engine: str, s: ServerSettings, target: Path, drafter: Path | None, config: ServerConfig, trust: bool
+    engine: str, s: ServerSettings, target: Path, drafter: Path | None, config: ServerConfig, trust: bool, dtype: str
 ) -> list[str]:
-    """The engine's own launch command (as in export's launch.sh), with the drafter at K when k > 0."""
+    """The engine's own launch command (as in export's launch.sh), with the drafter at K when k > 0,
+    and the target in `dtype` (the drafter's; the baseline too, so that its tokens/s compare)
+    unless evaluate.server.extra_args gives its own --dtype (config/vllm-cpu.yaml: float32, as
+    the hf engine computes on a CPU)."""
     k = config.k
+    dtype_args = [] if has_option(s.extra_args, "--dtype") else ["--dtype", dtype]
     if engine == "sglang":
         argv = list(s.launcher or (sys.executable, *SGLANG_SERVER))
-        argv += ["--model-path", str(target), "--tp-size", str(s.tensor_parallel), "--host", s.host, "--port", str(s.port)]
+        argv += ["--model-path", str(target), "--tp-size", str(s.tensor_parallel), *dtype_args, "--host", s.host,
+                 "--port", str(s.port)]  # fmt: skip
+        # every prompt token must be computed by the measured server, as by the hf engine (and as
+        # vLLM below): no radix (prefix) cache, e.g. for an MT-bench second turn
+        argv.append("--disable-radix-cache")
         if k:
             if config.method != "eagle3":
                 raise DraftflowError(f"evaluate.engine sglang measures EAGLE-3 drafters only, not {config.method}")
@@ -258,8 +297,8 @@ def server_argv(
                      "--speculative-num-draft-tokens", str(k + 1)]  # fmt: skip
     else:
         argv = list(s.launcher or (sys.executable, *VLLM_SERVER))
-        argv += ["--model", str(target), "--tensor-parallel-size", str(s.tensor_parallel), "--host", s.host,
-                 "--port", str(s.port)]  # fmt: skip
+        argv += ["--model", str(target), "--tensor-parallel-size", str(s.tensor_parallel), *dtype_args,
+                 "--host", s.host, "--port", str(s.port)]  # fmt: skip
         # every prompt token must be computed by the measured server, as by the hf engine
         argv.append("--no-enable-prefix-caching")
         if k:
@@ -535,7 +574,8 @@ class ServedRun:
                 check = check_gpus_free()
                 if not check.ok:
                     raise DraftflowError(check.message)
-            argv = server_argv(self.engine, s, self.target, self.drafter, config, self.trust_remote_code)
+            argv = server_argv(self.engine, s, self.target, self.drafter, config, self.trust_remote_code,
+                               drafter_dtype(self.drafter))  # fmt: skip
             server = LaunchedServer(argv, url, self.log_dir / f"{self.engine}-{config.name}.log", s.startup_timeout_s,
                                     self._server_env())  # fmt: skip
         out = {}

