@@ -161,6 +161,23 @@ def test_engine_interface_directly(target, model_and_tokenizer):
         make_generation_engine({"engine": "vllm"}, target)
 
 
+def test_out_of_gpu_memory_names_the_group_and_the_fix(target, monkeypatch):
+    """transformers' generate running out of GPU memory (seen on an H200 with one 7k-token prompt in
+    a group of 128) becomes an error that names the group's size, its longest prompt and what to change."""
+    engine = make_generation_engine({"engine": "hf", "device": "cpu", "batch_size": 2}, target)
+
+    def out_of_memory(**kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6359.59 GiB.")
+
+    monkeypatch.setattr(engine.model, "generate", out_of_memory)
+    requests = [GenerationRequest([user("Hi " * n)], max_new_tokens=8) for n in (3, 40)]
+    longest = max(len(engine.prompt_ids(r)) for r in requests)
+    with pytest.raises(DraftflowError, match=rf"answering 2 prompts at once, the longest {longest} tokens .*"
+                                             r"lower regenerate.batch_size"):
+        engine.generate(requests)
+    engine.close()
+
+
 def test_empty_generated_turns_are_kept_and_counted():
     """A target that ends its turn at once gives an empty assistant turn: kept (it is the
     target's answer) and counted, since `prepare` would refuse it on reuse. The engine here is

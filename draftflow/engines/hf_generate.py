@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from draftflow.engines.generation import GenerationRequest, GenerationResult
+from draftflow.errors import DraftflowError
 from draftflow.target import load_target
 
 log = logging.getLogger(__name__)
@@ -80,14 +81,24 @@ class HFGenerationEngine:
         if sampling:
             torch.manual_seed(batch_seed(requests))
             kwargs = {"do_sample": True, "temperature": first.temperature, "top_p": first.top_p, "top_k": 0}
-        output = self.model.generate(
-            input_ids=input_ids.to(self.model.device),
-            attention_mask=attention_mask.to(self.model.device),
-            max_new_tokens=first.max_new_tokens,
-            eos_token_id=self.stop_ids,
-            pad_token_id=self.pad_id,
-            **kwargs,
-        )
+        try:
+            output = self.model.generate(
+                input_ids=input_ids.to(self.model.device),
+                attention_mask=attention_mask.to(self.model.device),
+                max_new_tokens=first.max_new_tokens,
+                eos_token_id=self.stop_ids,
+                pad_token_id=self.pad_id,
+                **kwargs,
+            )
+        except torch.OutOfMemoryError as e:
+            # one long prompt pads its whole group (H200, SmolLM2: a 7k-token ShareGPT prompt in a
+            # group of 128 asked for a 6 TiB attention mask)
+            raise DraftflowError(
+                f"regenerate: out of GPU memory answering {len(prompts)} prompts at once, the longest "
+                f"{width} tokens (every prompt of the group is padded to it, plus {first.max_new_tokens} new "
+                "tokens); lower regenerate.batch_size, or leave prompts this long out of the dataset "
+                "(merge.max_seq_len cuts them anyway)"
+            ) from e
         new_tokens = output[:, width:].tolist()  # [B, <= max_new_tokens]
         return [self._result(tokens) for tokens in new_tokens]
 
