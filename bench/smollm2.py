@@ -4,6 +4,7 @@
 
     configs  write W/config.yaml: config/examples/smollm2-135m.yaml with the call's paths and sizes
     ppl      the target's perplexity on the merged eval split's loss tokens, per dataset
+    neighbours  mean cosine of each aux layer's output with its neighbours' (MT-bench prompts)
     collect  every figure of a call's work folder into one JSON (figures.json)
     table    markdown rows from one or more figures.json
 """
@@ -91,6 +92,28 @@ def ppl(a) -> None:
     print(json.dumps(out))
 
 
+def neighbours(a) -> None:
+    """Mean cosine, over the tokens of the first --prompts MT-bench questions, between decoder layer
+    i's output and layers i - 1's and i + 1's (float32): how visible a one-layer shift of aux ids is."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(a.model)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    questions = [json.loads(line)["turns"][0] for line in open(a.questions)][: a.prompts]
+    sums = {i: [0.0, 0.0] for i in a.aux}
+    with torch.no_grad():
+        for question in questions:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                return_dict=True, return_tensors="pt")["input_ids"]
+            states = model(input_ids=ids, output_hidden_states=True).hidden_states  # [i + 1]: layer i's output
+            for i in a.aux:
+                for side, j in enumerate((i - 1, i + 1)):
+                    cosine = torch.nn.functional.cosine_similarity(states[i + 1][0], states[j + 1][0], dim=-1)
+                    sums[i][side] += float(cosine.mean()) / len(questions)
+    print(json.dumps({i: {"previous": round(p, 3), "next": round(n, 3)} for i, (p, n) in sums.items()}))
+
+
 def collect(a) -> None:
     """acceptance.json tables (without the raw per-step lists), training summaries and run facts."""
     w = a.work
@@ -163,13 +186,18 @@ def main(argv=None) -> int:
     c.add_argument("--override", action="append", default=[], metavar="KEY.PATH=JSON")
     q = sub.add_parser("ppl")
     q.add_argument("--results", type=Path, required=True)
+    n = sub.add_parser("neighbours")
+    n.add_argument("--model", type=Path, default=REPO / "real" / "smollm2-135m-instruct")
+    n.add_argument("--questions", type=Path, default=REPO / "real" / "data" / "mtbench_question.jsonl")
+    n.add_argument("--aux", type=int, nargs="+", default=[1, 14, 26])
+    n.add_argument("--prompts", type=int, default=8)
     o = sub.add_parser("collect")
     o.add_argument("--work", type=Path, required=True)
     o.add_argument("--out", type=Path, required=True)
     t = sub.add_parser("table")
     t.add_argument("figures", nargs="+")
     a = p.parse_args(argv)
-    {"configs": configs, "ppl": ppl, "collect": collect, "table": table}[a.cmd](a)
+    {"configs": configs, "ppl": ppl, "neighbours": neighbours, "collect": collect, "table": table}[a.cmd](a)
     return 0
 
 
