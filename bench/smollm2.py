@@ -4,6 +4,7 @@
 
     configs  write W/config.yaml: config/examples/smollm2-135m.yaml with the call's paths and sizes
     ppl      the target's perplexity on the merged eval split's loss tokens, per dataset
+    heldout  the target's perplexity on ShareGPT answers that the example config never trains on
     neighbours  mean cosine of each aux layer's output with its neighbours' (MT-bench prompts)
     collect  every figure of a call's work folder into one JSON (figures.json)
     table    markdown rows from one or more figures.json
@@ -90,6 +91,38 @@ def ppl(a) -> None:
     total = sum(count.values())
     out["all"] = {"perplexity": round(math.exp(sum(nll.values()) / total), 3), "tokens": total}
     print(json.dumps(out))
+
+
+def heldout(a) -> None:
+    """Perplexity (exp of the mean NLL over assistant tokens, the tokenize stage's loss mask, first
+    --max-len tokens) of the target on ShareGPT's last --records complete conversations as shipped
+    (ChatGPT's answers; the example config's `sharegpt` dataset takes the first 4,000)."""
+    import torch
+
+    from draftflow.data.prepare import RecordError, normalize_record, open_source
+    from draftflow.data.tokenization import ChatTemplateError, load_tokenizer, tokenize_conversation
+    from draftflow.target import load_target
+
+    records = [r.raw for r in open_source(a.sharegpt).records if r.error is None]
+    model, _ = load_target(a.model, dtype=torch.float32, device="cpu")
+    tokenizer = load_tokenizer(a.model)
+    nll, tokens, used = 0.0, 0, 0
+    with torch.no_grad():
+        for raw in records[-a.records:]:
+            try:
+                sample = tokenize_conversation(tokenizer, normalize_record(raw, "sharegpt").messages)
+            except (RecordError, ChatTemplateError):
+                continue
+            ids = torch.tensor([sample.input_ids[: a.max_len]])
+            mask = torch.tensor(sample.loss_mask[1 : a.max_len], dtype=torch.bool)
+            if not mask.any():
+                continue
+            logits = model(input_ids=ids).logits[0, :-1]
+            nll += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")[mask].sum())
+            tokens += int(mask.sum())
+            used += 1
+    print(json.dumps({"perplexity": round(math.exp(nll / tokens), 3), "answer_tokens": tokens, "conversations": used,
+                      "records": a.records, "max_len": a.max_len}))
 
 
 def neighbours(a) -> None:
@@ -186,6 +219,11 @@ def main(argv=None) -> int:
     c.add_argument("--override", action="append", default=[], metavar="KEY.PATH=JSON")
     q = sub.add_parser("ppl")
     q.add_argument("--results", type=Path, required=True)
+    h = sub.add_parser("heldout")
+    h.add_argument("--model", type=Path, default=REPO / "real" / "smollm2-135m-instruct")
+    h.add_argument("--sharegpt", type=Path, default=REPO / "real" / "data" / "sharegpt.json")
+    h.add_argument("--records", type=int, default=100)
+    h.add_argument("--max-len", type=int, default=1024)
     n = sub.add_parser("neighbours")
     n.add_argument("--model", type=Path, default=REPO / "real" / "smollm2-135m-instruct")
     n.add_argument("--questions", type=Path, default=REPO / "real" / "data" / "mtbench_question.jsonl")
@@ -197,7 +235,7 @@ def main(argv=None) -> int:
     t = sub.add_parser("table")
     t.add_argument("figures", nargs="+")
     a = p.parse_args(argv)
-    {"configs": configs, "ppl": ppl, "neighbours": neighbours, "collect": collect, "table": table}[a.cmd](a)
+    {"configs": configs, "ppl": ppl, "heldout": heldout, "neighbours": neighbours, "collect": collect, "table": table}[a.cmd](a)
     return 0
 
 
