@@ -189,7 +189,8 @@ def test_shipped_sharegpt_cut_is_named_under_fail_when_the_records_before_it_are
 
 
 def real_workflow_config(real: Path) -> dict:
-    """config/examples/smollm2-135m.yaml, shrunk to a few samples, steps and prompts on the CPU."""
+    """config/examples/smollm2-135m.yaml, shrunk to a few samples, steps and prompts on the CPU
+    (8 epochs of 2 steps: enough for the drafter to be accepted at times, τ 1.1)."""
     config = yaml.safe_load((REPO / "config" / "examples" / "smollm2-135m.yaml").read_text())
     config["results"] = "results"
     config["target"]["model"] = str(real / MODEL_DIR)
@@ -198,7 +199,7 @@ def real_workflow_config(real: Path) -> dict:
     config["regenerate"].update(batch_size=10, max_new_tokens=24)
     config["merge"].update(max_seq_len=192, eval_fraction=0.2, samples_per_range=64)
     config["extract"].update(gpus_per_job=0, batch_tokens=2048)
-    config["train"].update(methods=["eagle3"], gpus=0, epochs=2, batch_tokens=1024, draft_vocab_size=2048,
+    config["train"].update(methods=["eagle3"], gpus=0, epochs=8, batch_tokens=1024, draft_vocab_size=2048,
                            num_workers=0)
     config["evaluate"].update(draft_tokens=[3, 7], temperatures=[0], max_new_tokens=12, max_prompts=2,
                               prompt_sets={"mtbench": {"kind": "mtbench", "path": str(real / "data" / "mtbench_question.jsonl"),
@@ -272,4 +273,6 @@ def test_a_real_vllm_serves_the_smollm2_drafter_as_greedy_with_the_hf_engines_ta
     served = check_served_against_hf(workdir, hf_dir, "eagle3", [3, 7])
     assert sum(o["method"] == "baseline" for o in map(json.loads, (
         workdir / "results" / "eval" / "eagle3" / "outputs.jsonl").read_text().splitlines())) == 4  # 2 questions x 2 turns
-    assert served["acceptance_length"] > 1.0  # the drafter is accepted at times: the equality is not of empty counts
+    # some drafts are accepted (measured: 4 in 40 verify steps, τ 1.1 at K = 3 and 7; with 2 epochs none
+    # were, τ 1.0, and the equality was of rejections only)
+    assert served["acceptance_length"] > 1.0
