@@ -127,13 +127,23 @@ def test_a_killed_stage_leaves_no_server_and_its_rerun_measures_only_the_rest(se
 def test_vllm_decodes_as_greedy_and_agrees_with_hf_on_tau(served, method):
     """Greedy outputs with the drafter equal the target's alone, and equal the hf engine's; per K,
     the verify steps and delivered tokens are the hf engine's, so τ is too."""
-    results = served["workdir"] / "results" / "eval" / method
+    vllm = check_served_against_hf(served["workdir"], served["hf"], method,
+                                   [3, 7] if method == "eagle3" else [15])  # DFlash: its full block
+    if method == "eagle3":  # a drafter that learned nothing gives τ ~ 1 in both engines alike
+        assert vllm["acceptance_length"] >= SERVED_TAU_FLOOR, vllm["acceptance_length"]
+
+
+def check_served_against_hf(served_dir: Path, hf_dir: Path, method: str, ks: list[int]) -> dict:
+    """The served run's acceptance.json against the hf run's (same prompts, same max_new_tokens):
+    at each K every output equals greedy, and the verify steps and delivered tokens, pooled and per
+    prompt set, are the hf engine's (so τ is too); the baseline server decodes the hf engine's
+    greedy reference, turn by turn. Returns the served report."""
+    results = served_dir / "results" / "eval" / method
     vllm = read_json(results / "acceptance.json")
-    hf = read_json(served["hf"] / "results" / "eval" / method / "acceptance.json")
+    hf = read_json(hf_dir / "results" / "eval" / method / "acceptance.json")
     assert vllm["engine"] == "vllm" and vllm["method"] == method
-    ks = sorted(vllm[method], key=int)
-    assert ks == ([str(k) for k in (3, 7)] if method == "eagle3" else ["15"])  # DFlash: its full block
-    for k in ks:
+    assert sorted(vllm[method], key=int) == [str(k) for k in ks]
+    for k in map(str, ks):
         ours, theirs = vllm[method][k], hf[method][k]
         assert ours["matches_greedy"] == ours["prompts"] > 0, (method, k, ours)
         assert ours["verify_steps"] > 0 and ours["drafted_tokens"] >= ours["verify_steps"]
@@ -149,12 +159,12 @@ def test_vllm_decodes_as_greedy_and_agrees_with_hf_on_tau(served, method):
                 if r["method"] == method and r["temperature"] == 0 and r.get("measured", "real") == "real"}  # fmt: skip
 
     served_sets = per_set(vllm)
-    assert served_sets and served_sets == {key: v for key, v in per_set(hf).items() if str(key[1]) in ks}
-    if method == "eagle3":  # a drafter that learned nothing gives τ ~ 1 in both engines alike
-        assert vllm["acceptance_length"] >= SERVED_TAU_FLOOR, vllm["acceptance_length"]
-    # the baseline server (no drafter) decodes what the hf engine's greedy reference decodes
-    hf_greedy = {(o["prompt_set"], o["source"]): o["tokens"] for o in map(json.loads, (
-        served["hf"] / "results" / "eval" / method / "outputs.jsonl").read_text().splitlines()) if o["method"] == "greedy"}
-    baseline = {(o["prompt_set"], o["source"]): o["tokens"] for o in map(json.loads, (
-        results / "outputs.jsonl").read_text().splitlines()) if o["method"] == "baseline"}
-    assert baseline and baseline == hf_greedy
+    assert served_sets and served_sets == {key: v for key, v in per_set(hf).items() if key[1] in ks}
+    # the baseline server (no drafter) decodes what the hf engine's greedy reference decodes, every turn
+    def decoded(path: Path, kind: str) -> dict:
+        return {(o["prompt_set"], o["source"], o.get("turn", 1)): o["tokens"]
+                for o in map(json.loads, path.read_text().splitlines()) if o["method"] == kind}  # fmt: skip
+
+    baseline = decoded(results / "outputs.jsonl", "baseline")
+    assert baseline and baseline == decoded(hf_dir / "results" / "eval" / method / "outputs.jsonl", "greedy")
+    return vllm
