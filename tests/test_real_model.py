@@ -16,6 +16,7 @@ import yaml
 from conftest import REPO, copy_workflow, kill_all, snakemake, write_config
 from real_vllm import VLLM_ENV, vllm_python
 from test_evaluate import check_against_outputs
+from test_hf_capture import Reference
 from test_vllm_served import check_served_against_hf, clone, served_config, vllm_processes, wait_gone
 from draftflow.data.prepare import PrepareSettings, prepare_shard
 from draftflow.errors import DraftflowError
@@ -85,28 +86,6 @@ def test_set_up_again_changes_nothing(real):
     assert manifest["data"]["sharegpt_prompts.jsonl"]["prompts"] > 10_000
 
 
-class Reference:
-    """An independent transformers forward: each decoder layer's raw output (hooks) and HF's
-    output_hidden_states."""
-
-    def __init__(self, path: Path):
-        self.model = load_bf16(path)
-        self.layer_out: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.model.layers):
-            layer.register_forward_hook(self._hook(i))
-
-    def _hook(self, i: int):
-        def hook(module, args, output):
-            self.layer_out[i] = (output[0] if isinstance(output, tuple) else output)[0].clone()  # [T, H]
-
-        return hook
-
-    @torch.inference_mode()
-    def run(self, ids: np.ndarray):
-        out = self.model(torch.from_numpy(ids)[None], output_hidden_states=True)
-        return out, dict(self.layer_out)
-
-
 def test_hf_extraction_equals_a_transformers_forward_at_every_aux_layer_and_the_final_state(real, tmp_path):
     from transformers import AutoTokenizer
 
@@ -133,7 +112,7 @@ def test_hf_extraction_equals_a_transformers_forward_at_every_aux_layer_and_the_
     engine.close()
     _, entries = read_range_index(tmp_path / "rows")
 
-    ref = Reference(converted)
+    ref = Reference(converted, torch.bfloat16)  # an independent transformers forward with layer hooks
     for record, entry in zip(records, entries):
         sample = decode_sample(store.get(entry.key), check=True)
         assert sample.hidden.shape == (len(record.input_ids), 4, 576) and sample.hidden.dtype == torch.bfloat16
