@@ -158,6 +158,15 @@ def make_capture_engine(
 # ---------------------------------------------------------------- batching
 
 
+def require_gpus(tensor_parallel: int, gpus: Sequence[str], devices: Sequence[str]) -> None:
+    """A GPU job of a served engine (SGLang, vLLM) must hold a GPU for each tensor-parallel rank."""
+    if len(gpus) < tensor_parallel:
+        raise CaptureError(
+            f"extract.tensor_parallel is {tensor_parallel} but this job holds {len(gpus)} GPU(s) ({list(devices)}); "
+            f"set extract.gpus_per_job to {tensor_parallel}"
+        )
+
+
 def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
     """Partition sample positions into batches of similar length.
 

@@ -69,7 +69,7 @@ import numpy as np
 import torch
 
 from draftflow.config import default_aux_layer_ids
-from draftflow.engines.capture import CaptureError, EngineLayerIds, check_capture, layer_names
+from draftflow.engines.capture import CaptureError, EngineLayerIds, check_capture, layer_names, require_gpus
 from draftflow.engines.layer_ids import Architecture, architecture_of, sglang_engine_layer_ids
 
 log = logging.getLogger(__name__)
@@ -345,11 +345,7 @@ def sglang_device(devices: Sequence[str], tensor_parallel: int) -> str:
     if not gpus:
         check_cpu_tensor_parallel(tensor_parallel, numa_node_count(), os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"))
         return "cpu"
-    if len(gpus) < tensor_parallel:
-        raise CaptureError(
-            f"extract.tensor_parallel is {tensor_parallel} but this job holds {len(gpus)} GPU(s) ({list(devices)}); "
-            f"set extract.gpus_per_job to {tensor_parallel}"
-        )
+    require_gpus(tensor_parallel, gpus, devices)
     return "cuda"
 
 

@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from draftflow.config import default_aux_layer_ids
-from draftflow.engines.capture import CaptureError, EngineLayerIds, check_capture, layer_names
+from draftflow.engines.capture import CaptureError, EngineLayerIds, check_capture, layer_names, require_gpus
 from draftflow.engines.layer_ids import (
     Architecture,
     architecture_of,
@@ -366,11 +366,7 @@ def vllm_device(settings: dict, devices: Sequence[str], tensor_parallel: int) ->
                 "engine runs vLLM's CPU build in one process there; set extract.tensor_parallel to 1"
             )
         return "cpu"
-    if len(gpus) < tensor_parallel:
-        raise CaptureError(
-            f"extract.tensor_parallel is {tensor_parallel} but this job holds {len(gpus)} GPU(s) ({list(devices)}); "
-            f"set extract.gpus_per_job to {tensor_parallel}"
-        )
+    require_gpus(tensor_parallel, gpus, devices)
     return "cuda"
 
 
