@@ -92,6 +92,12 @@ class VllmServer:
             time.sleep(1)
         raise AssertionError(f"vLLM not healthy after {timeout_s}s:\n{self.tail()}")
 
+    def alive(self) -> bool:
+        """True while the server runs; raises with its log once it has exited."""
+        if self.process.poll() is not None:
+            raise AssertionError(f"vLLM exited ({self.process.returncode}):\n{self.tail()}")
+        return True
+
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Signal the whole session (API server and engine core); SIGKILL what is left after 60 s."""
         if self.process is None:
@@ -272,8 +278,11 @@ def test_regeneration_survives_a_server_restart(default_run, workdir, server):
     """The regenerate job starts while the server is down (it waits on /models), then the server is
     SIGKILLed after the first group and started again: the requests in flight are retried, the run
     completes, and its shard equals the hf engine's."""
-    openai = {"max_retries": 40, "backoff_s": 1.0, "max_consecutive_failures": 1000, "timeout_s": 600}
-    config = openai_config(default_run.config, server, batch_size=1, openai=openai)  # 12 groups, one request each
+    # 12 groups of one request, sent one at a time: the run takes ~1 s once the server answers, so the
+    # kill below must follow the first saved group closely (a second's health poll let a CI run finish).
+    openai = {"max_retries": 40, "backoff_s": 1.0, "max_consecutive_failures": 1000, "timeout_s": 600,
+              "concurrency": 1}
+    config = openai_config(default_run.config, server, batch_size=1, openai=openai)
     write_config(workdir, config)
     if server.process is None:
         server.start().wait_healthy()
@@ -288,9 +297,11 @@ def test_regeneration_survives_a_server_restart(default_run, workdir, server):
                            start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))  # fmt: skip
     try:
         wait_for(lambda: log_path.exists() and "/models attempt 2 failed" in log_path.read_text(), 600, run)
-        server.start().wait_healthy()
-        # The first group is saved, the others are not: kill the server in the middle of the run.
-        wait_for(lambda: partial.exists() and len(partial.read_text().splitlines()) >= 2, 600, run)
+        server.start()
+        # The first group is saved, the others are not: kill the server in the middle of the run. No
+        # health poll first: the job's own /models poll finds the server, and we watch the state file.
+        wait_for(lambda: server.alive() and partial.exists() and len(partial.read_text().splitlines()) >= 2,
+                 600, run, poll_s=0.002)
         server.stop(signal.SIGKILL)
         done_at_kill = len(partial.read_text().splitlines()) - 1
         assert done_at_kill < 12, "the run finished before the server was killed"
@@ -314,12 +325,12 @@ def test_regeneration_survives_a_server_restart(default_run, workdir, server):
     print(f"restart run: {wall:.0f}s, {done_at_kill} of 12 groups done at the kill, {len(retried)} retried attempts")
 
 
-def wait_for(condition, timeout_s: float, run: subprocess.Popen) -> None:
+def wait_for(condition, timeout_s: float, run: subprocess.Popen, poll_s: float = 0.02) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():
             return
         if run.poll() is not None:
             raise AssertionError(f"the run ended early ({run.returncode}):\n{run.stdout.read()[-6000:]}")
-        time.sleep(0.02)
+        time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for the run")
