@@ -40,6 +40,8 @@ def configs(a) -> None:
     config["results"] = str(w / "results")
     config["target"]["model"] = str(a.model.resolve())
     config["datasets"]["sharegpt_regen"].update(path=str(data / "sharegpt_prompts.jsonl.gz"))
+    if a.regenerated:  # the target's answers from an earlier call: no regenerate stage (~15 minutes of H200)
+        config["datasets"]["sharegpt_regen"].update(path=str(a.regenerated.resolve()), regenerate=False)
     # the last 3,000 records of the shipped file, cut off as it is (it does not fit a device call whole)
     config["datasets"]["sharegpt"].update(path=str(data / "sharegpt_tail.json.gz"), shards=1, max_samples=1500)
     config["regenerate"].update(batch_size=256, max_new_tokens=256)
@@ -216,6 +218,8 @@ def main(argv=None) -> int:
     c.add_argument("--model", type=Path, required=True, help="the converted HF folder")
     c.add_argument("--data", type=Path, required=True, help="the carried data files")
     c.add_argument("--tiny", action="store_true")
+    c.add_argument("--regenerated", type=Path,
+                   help="conversations an earlier call regenerated (regenerated.jsonl.gz): train on them as they are")
     c.add_argument("--override", action="append", default=[], metavar="KEY.PATH=JSON")
     q = sub.add_parser("ppl")
     q.add_argument("--results", type=Path, required=True)

@@ -8,6 +8,7 @@
 #   data   stash, join the GGUF (sha256 checked), convert it (draftflow real-model --gguf), then the
 #          workflow's data stages: regenerate (the target answers ShareGPT prompts), tokenize, merge,
 #          extract, vocab; the target's held-out perplexity. Returns the regenerated conversations.
+#          REGENERATED=FILE: train on conversations an earlier call regenerated (no regenerate stage).
 #   train  on the warm machine's data: our EAGLE-3 and speculators 0.9's at seeds SEEDS (one process
 #          each, side by side; NO_SPECULATORS=1 trains ours only), and the workflow's DFlash
 #   eval   every drafter `draftflow evaluate`d on the GPU: real τ at K 3/5/7, T 0 and 1, on MT-bench
@@ -68,7 +69,7 @@ wait_all() {  # wait for the given pids, killing them at the deadline
 qc() {  # TRAINER SEED: one trainer at one seed, its own process group
     setsid python3 bench/quality_compare.py --results "$W/results" --config "$W/config.yaml" --work "$W/qc" \
         --trainers "$1" --seeds "$2" --train-only --device "$DEVICE" --threads 2 --spec-kernels eager \
-        --label "$LABEL" --set train.num_workers=2 --output "$W/qc.jsonl" > "$W/qc-$1-$2.log" 2>&1 &
+        --label "$LABEL" --set train.num_workers=2 ${QC_SETS:-} --output "$W/qc.jsonl" > "$W/qc-$1-$2.log" 2>&1 &
     echo $!
 }
 
@@ -86,7 +87,7 @@ if [ "$mode" = data ] || [ "$mode" = datatrain ]; then
         > "$W/logs-convert.txt" 2>&1 || { note "conversion failed"; tail -20 "$W/logs-convert.txt"; exit 1; }
     note "converted: $(tail -c 300 "$W/logs-convert.txt" | tr '\n' ' ')"
     python3 bench/smollm2.py configs --work "$W" --model "$W/real/smollm2-135m-instruct" --data "$S/data" \
-        ${TINY:+--tiny} ${OVERRIDES:-} || exit 1
+        ${TINY:+--tiny} ${REGENERATED:+--regenerated "$REGENERATED"} ${OVERRIDES:-} || exit 1
     # Snakemake answers SIGTERM by waiting for its running jobs (2026-12-03: regenerate ran on past the
     # call's end), so its jobs get their own kill at the deadline
     timeout -k 10 $((${DATA_DEADLINE:-$DEADLINE} - $(elapsed) - 20)) "${SMK[@]}" --configfile="$W/config.yaml" \
