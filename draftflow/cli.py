@@ -39,6 +39,7 @@ STAGES: dict[str, tuple[str, str]] = {
     "launch-train": ("draftflow.drafters.launch", "run `draftflow train` under torchrun (one node or SLURM)"),
     "evaluate": ("draftflow.evaluation.evaluate", "measure acceptance length"),
     "export": ("draftflow.export.stage", "export the drafter for SGLang and vLLM"),
+    "serve-check": ("draftflow.export.serve_check", "gate an export: static check, and served by vLLM when installed"),
     "import-drafter": ("draftflow.export.stage", "import a SpecForge / SGLang-format EAGLE-3 drafter"),
     "plot": ("draftflow.plots", "render a report figure (PNG)"),
     "summary": ("draftflow.summary", "write the report's summary page (headline figures and tables)"),

@@ -100,6 +100,10 @@ class RunFiles:
         return self._per_method("export", "export.json")
 
     @cached_property
+    def serve_check(self) -> dict | None:
+        return self._per_method("export", "serve_check.json")
+
+    @cached_property
     def stats_rows(self) -> list[dict] | None:
         try:
             with open(self.results / "merged" / "stats.csv", newline="") as f:
@@ -343,8 +347,23 @@ def section_export(run: RunFiles) -> Section | None:
     if not rows:
         return None
     note = f"Serve with ``bash <results>/{folder}/<engine>/launch.sh [TARGET_DIR] [server arguments]``."
+    note += " " + serve_check_note(run.serve_check, folder)
     header = ["engine", "launch", "version", "engine layer ids", "our layer ids"]
     return Section(run.titled("Servable drafters"), table(header, rows), note)
+
+
+def serve_check_note(check: dict | None, folder: str) -> str:
+    """The export gate's verdict (export/<method>/serve_check.json), one sentence."""
+    if not check:
+        return "The serve check did not run (export.check: off)."
+    served = check.get("served") or {}
+    if served.get("served"):
+        return (f"Serve check ({folder}/serve_check.json): static check passed; vLLM {served['version']} served τ "
+                f"{served['tau_served']:.3f} against {served['tau_in_process']:.3f} in-process (K = {served['k']}, "
+                f"{served['prompts']} prompts, {served['outputs_equal_target']}/{served['prompts']} outputs equal the "
+                "target's). SGLang was checked statically only, not served.")  # fmt: skip
+    return (f"Serve check ({folder}/serve_check.json): static check passed; not served "
+            f"({served.get('reason', 'unknown')}). SGLang was checked statically only, not served.")  # fmt: skip
 
 
 SECTIONS: list[Callable[[RunFiles], Section | None]] = [

@@ -336,10 +336,55 @@ def final_outputs() -> list:
             f"{RESULTS}/drafter/{method}",
             f"{RESULTS}/eval/{method}/acceptance.json",
             f"{RESULTS}/export/{method}/export.json",
+            *serve_check_outputs(method),
             f"{RESULTS}/plots/{method}/training.png",
             f"{RESULTS}/plots/{method}/acceptance.png",
         ]
     return outputs
+
+
+def export_settings(method: str) -> dict:
+    """config `export` as the export stage reads it: its gate's keys belong to serve_check."""
+    settings = {
+        k: v for k, v in config["export"].items() if k not in ("check", "serve_check")
+    }
+    return {**settings, "aux_layer_ids": method_layer_ids(method)}
+
+
+def serve_check_outputs(method: str) -> list:
+    if config["export"]["check"] == "off":
+        return []
+    return [f"{RESULTS}/export/{method}/serve_check.json"]
+
+
+def serve_check_python() -> str | None:
+    """export.serve_check.python, else $DRAFTFLOW_VLLM_PYTHON, else this workflow's .venv-vllm
+    (make vllm-setup), else None (the stage then looks in its own Python)."""
+    given = config["export"]["serve_check"]["python"] or os.environ.get(
+        "DRAFTFLOW_VLLM_PYTHON"
+    )
+    if given:
+        return given
+    local = Path(workflow.basedir) / ".venv-vllm" / "bin" / "python"
+    return str(local) if local.exists() else None
+
+
+def serve_check_settings() -> tuple[dict, Operational]:
+    """The gate's settings: what it checks (reruns it when changed), and how it serves (never)."""
+    s = config["export"]["serve_check"]
+    content = {
+        "check": config["export"]["check"],
+        "prompts": s["prompts"],
+        "max_new_tokens": s["max_new_tokens"],
+        "tolerance": s["tolerance"],
+        "trust_remote_code": config["target"]["trust_remote_code"],
+    }
+    runtime = {
+        "python": serve_check_python(),
+        "extra_args": s["extra_args"],
+        "startup_timeout_s": s["startup_timeout_s"],
+    }
+    return content, Operational(runtime)
 
 
 def resolved_aux_layer_ids():

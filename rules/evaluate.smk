@@ -63,15 +63,44 @@ rule export:
     conda:
         CONDA_ENV
     params:
-        settings=lambda w: as_settings(
-            {**config["export"], "aux_layer_ids": method_layer_ids(w.method)}
-        ),
+        settings=lambda w: as_settings(export_settings(w.method)),
         target_identity=lambda w: target_identity(),
         target=lambda w: Operational(target_dir()),
         out_dir=lambda w, output: os.path.dirname(output.summary),
     shell:
         "draftflow --threads {threads} export --drafter {input.drafter} --target {params.target}"
         " --settings {params.settings:q} --output-dir {params.out_dir} > {log} 2>&1"
+
+
+rule serve_check:
+    input:
+        export=f"{RESULTS}/export/{{method}}/export.json",
+        drafter=f"{RESULTS}/drafter/{{method}}",
+        target=target_input(),
+        eval_data=f"{RESULTS}/merged/eval.jsonl",
+    output:
+        f"{RESULTS}/export/{{method}}/serve_check.json",
+    log:
+        f"{LOGS}/serve_check/{{method}}.log",
+    benchmark:
+        f"{BENCH}/serve_check/{{method}}.tsv"
+    conda:
+        CONDA_ENV
+    # the launched vLLM runs on the job's CPU threads (or its GPUs)
+    threads: 4
+    resources:
+        gpu=config["export"]["tensor_parallel"],
+    params:
+        export_settings=lambda w: as_settings(export_settings(w.method)),
+        settings=lambda w: as_settings(serve_check_settings()[0]),
+        runtime=lambda w: serve_check_settings()[1],
+        target_identity=lambda w: target_identity(),
+        target=lambda w: Operational(target_dir()),
+        export_dir=lambda w, input: os.path.dirname(input.export),
+    shell:
+        "draftflow --threads {threads} serve-check --export-dir {params.export_dir} --drafter {input.drafter}"
+        " --target {params.target} --eval-data {input.eval_data} --export-settings {params.export_settings:q}"
+        " --settings {params.settings:q} --runtime {params.runtime:q} --output {output} > {log} 2>&1"
 
 
 rule plot_lengths:

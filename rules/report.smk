@@ -11,6 +11,8 @@ rule summary:
         drafter=expand(f"{RESULTS}/drafter/{{method}}", method=METHODS),
         acceptance=expand(f"{RESULTS}/eval/{{method}}/acceptance.json", method=METHODS),
         export=expand(f"{RESULTS}/export/{{method}}/export.json", method=METHODS),
+        # the exports' gate (export.check): the page reports its verdict
+        serve_check=[path for method in METHODS for path in serve_check_outputs(method)],
     output:
         SUMMARY_PAGE,
     log:

@@ -182,7 +182,8 @@ def test_default_workflow_end_to_end(default_run):
     logs = results / "logs"
     expected = {"build_target.log": 1, "merge.log": 1}
     for method in METHODS:
-        expected.update({f"train/{method}.log": 2, f"evaluate/{method}.log": 2, f"export/{method}.log": 1})
+        expected.update({f"train/{method}.log": 2, f"evaluate/{method}.log": 2, f"export/{method}.log": 1,
+                         f"serve_check/{method}.log": 2})
     expected.update({str(p.relative_to(logs)): 2 for p in logs.glob("extract/*/*.log")})
     expected.update({str(p.relative_to(logs)): 2 for p in logs.glob("regenerate/*/*.log")})
     expected.update({str(p.relative_to(logs)): 1 for p in logs.glob("tokenize/*/*.log")})

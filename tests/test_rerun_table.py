@@ -29,6 +29,8 @@ import yaml
 from conftest import REPO, copy_workflow, load_default_config, snakemake, write_config
 from draftflow.config import load_schema, validate_config
 
+pytestmark = pytest.mark.slow  # real Snakemake runs of every rerun case (minutes): not in make test-fast
+
 TABLE_DOC = REPO / "docs" / "ARCHITECTURE.md"
 TABLE_HEADING = "## What reruns when a config key changes"
 # checkpoints whose dependents Snakemake re-plans after they ran -> their output under `results`
@@ -143,6 +145,8 @@ SPECIAL = {
     "evaluate.server.launcher": ["python3", "-m", "sglang.launch_server"],
     "extract.vllm.python": ".venv-vllm/bin/python",
     "evaluate.server.extra_args": ["--mem-fraction-static", "0.8"],
+    "export.serve_check.python": ".venv-vllm/bin/python",
+    "export.serve_check.extra_args": ["--max-model-len", "256"],
     "evaluate.server.endpoint": "http://127.0.0.1:9",
     "evaluate.server.baseline_endpoint": "http://127.0.0.1:10",
     "train.methods": ["eagle3", "dflash"],
