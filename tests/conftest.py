@@ -36,10 +36,19 @@ def write_config(workdir: Path, config: dict, name: str = "test.yaml") -> Path:
     return path
 
 
+def snakemake_env(**extra: str) -> dict[str, str]:
+    """The environment of a Snakemake run that does not use SLURM. Snakemake imports every installed
+    executor plugin at start, and the SLURM plugin's import runs `scontrol show config`, which waits
+    9-10 s when no slurmctld answers (this suite outside test_slurm; a host with no slurm.conf too).
+    An empty SLURM_CONF makes scontrol fail at once: ~10 s less per Snakemake start (BENCHMARKS.md,
+    "The test suite's minutes"). test_slurm's runs keep the host's SLURM_CONF."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "SLURM_CONF": "/dev/null", **extra}
+
+
 def snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 1200) -> subprocess.CompletedProcess:
-    """Run the real Snakemake CLI in `workdir` with this interpreter's environment."""
+    """Run the real Snakemake CLI in `workdir` with this interpreter's environment (no SLURM)."""
     cmd = [sys.executable, "-m", "snakemake", "--cores", "2", *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = snakemake_env()
     proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(

@@ -272,6 +272,7 @@ def test_sampled_simulation_is_each_block_s_expected_acceptance(trained):
 # ---------------------------------------------------------------- decoding
 
 
+@pytest.mark.slow  # real work of 10 s or more: not in make test-fast
 def test_block_decoding_equals_greedy_on_many_prompts(trained):
     model, drafter = trained["model"], trained["drafter"]
     target = Target(model, IDS)
@@ -417,6 +418,7 @@ def test_a_method_refuses_layers_the_ranges_do_not_store(world, tmp_path):
         run_training(inputs, s)
 
 
+@pytest.mark.slow  # real work of 10 s or more: not in make test-fast
 def test_dflash_ddp_two_processes_match_one(world, tmp_path):
     """Anchors are drawn per batch content (not per process) and the loss is normalized by the
     global label counts: two gloo processes train exactly what one process does."""

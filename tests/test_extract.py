@@ -218,6 +218,7 @@ def _extract_cmd(split_path: Path, target: Path, store: Path, output: Path, s: d
     ]  # fmt: skip
 
 
+@pytest.mark.slow  # real work of 10 s or more: not in make test-fast
 def test_resume_after_sigkill_is_byte_identical(tmp_path):
     # Big enough that the range takes seconds, so the kill lands mid-range.
     target = build_target(tmp_path / "target", hidden=512, layers=6, intermediate=1024)

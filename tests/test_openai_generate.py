@@ -259,6 +259,7 @@ def run_cli(tmp: Path, shard: Path, target: Path, settings_: dict, out: Path, en
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
+@pytest.mark.slow  # real work of 10 s or more: not in make test-fast
 def test_regenerate_cli_survives_faults_and_sigkill(backend, target, tmp_path):
     shard = tmp_path / "shard-0.jsonl.zst"
     write_jsonl(shard, conversations())

@@ -23,6 +23,8 @@ from draftflow.errors import DraftflowError
 from draftflow.jsonl import read_jsonl
 from draftflow.real_model import MODEL_DIR, SMOLLM2_GGUF, set_up, sha256_file
 
+pytestmark = pytest.mark.slow  # SmolLM2 (make real-model), its workflow and a real vLLM: not in make test-fast
+
 NUM_LAYERS = 30
 AUX = [1, 14, 26]  # the default for 30 layers: [1, N//2 - 1, N - 4]
 CHAT = [{"role": "user", "content": "Compose a short poem about the sea, then explain its rhyme scheme."}]
@@ -199,7 +201,6 @@ def smollm2_run(real, tmp_path_factory) -> tuple[Path, dict]:
     return workdir, config
 
 
-@pytest.mark.slow
 def test_workflow_trains_evaluates_and_exports_a_drafter_for_the_real_model(smollm2_run):
     workdir, config = smollm2_run
     results = workdir / "results"
@@ -230,7 +231,6 @@ SMOLLM2_VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len",
                      "--kv-cache-memory-bytes", str(1 << 30)]  # fmt: skip
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_a_real_vllm_serves_the_smollm2_drafter_as_greedy_with_the_hf_engines_tau(smollm2_run, tmp_path, monkeypatch):
     """The same drafter's export served by vLLM (one server per K and one without the drafter,

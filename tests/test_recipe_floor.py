@@ -154,6 +154,7 @@ def world(tmp_path_factory):
     return make_world(tmp_path_factory.mktemp("floor"))
 
 
+@pytest.mark.slow  # real work of 10 s or more: not in make test-fast
 def test_default_recipe_reaches_the_tau_floor_on_fixed_data(world, tmp_path):
     summary = train_tau(world, tmp_path)
     sampled = simulated_tau(world, tmp_path / "drafter", steps=len(summary["step_alpha"]), temperature=1.0)

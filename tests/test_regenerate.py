@@ -231,6 +231,7 @@ def test_resume_keeps_completed_groups_and_discards_stale_state(tmp_path, target
     assert list(read_jsonl(out)) == clean
 
 
+@pytest.mark.slow  # real work of 10 s or more: not in make test-fast
 def test_sigkill_then_rerun_equals_an_uninterrupted_run(tmp_path, target):
     # 20 prompts in groups of 2: 10 groups, each appended to the partial file when done.
     records = [record(i, [user(f"What is {i} plus {2 * i + 1}?")]) for i in range(20)]

@@ -10,6 +10,7 @@ distributed as the drafter's q), which shows the test can fail.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from draftflow.evaluation.speculative import Eagle3Proposer, Target, speculative_sample, target_probs, verify_sampled
@@ -84,6 +85,7 @@ def sampled_pairs(model, aux_ids, proposer, seed: int, n: int = 1500, temperatur
     return pairs, exact_marginals(model, prompt, temperature), n, accepted
 
 
+@pytest.mark.slow  # real work of 10 s or more: not in make test-fast
 def test_speculative_sampling_through_the_hf_target_keeps_its_distribution():
     torch.set_num_threads(1)
     model = tiny_target(vocab=5, layers=4, seed=3)
@@ -109,6 +111,7 @@ def test_expected_simulated_acceptance_equals_chain_counts_on_certain_outcomes()
     assert half.alpha == [0.5, 0.5] and half.tau == 1.75
 
 
+@pytest.mark.slow  # real work of 10 s or more: not in make test-fast
 def test_dflash_block_sampling_through_the_hf_target_keeps_its_distribution():
     from draftflow.drafters.dflash import DFlashConfig, DFlashDrafter
     from draftflow.evaluation.speculative import DFlashProposer

@@ -142,6 +142,7 @@ def test_overfitting_one_batch_drives_the_loss_down(world):
     assert final.stats[2][0].item() >= 0.9 * reachable > 0
 
 
+@pytest.mark.slow  # real work of 10 s or more: not in make test-fast
 @pytest.mark.skipif(shutil.which("cc") is None, reason="torch.compile on CPU needs a C compiler")
 def test_compiled_training_steps_match_eager_ones(world):
     """train.compile: the compiled norms, MLPs and per-step loss give the eager losses and
@@ -226,6 +227,7 @@ def train_rows(out: Path) -> list[dict]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
 
 
+@pytest.mark.slow  # real work of 10 s or more: not in make test-fast
 def test_ddp_two_gloo_processes_match_single_process_training(world, tmp_path):
     """Tolerance: max |param difference| < 1e-5 after all steps (fp32 CPU; only reduction order differs)."""
     run_inprocess(world, tmp_path / "single", tmp_path / "s1", {"grad_accum": 2})
@@ -251,6 +253,7 @@ def build_initial(world) -> dict:
     return drafter.export_state_dict()
 
 
+@pytest.mark.slow  # real work of 10 s or more: not in make test-fast
 def test_resume_after_sigkill_continues_the_same_loss_curve(world, tmp_path):
     # more steps and a few workers, so the run is long enough to be killed in the middle
     extra = {"epochs": 3, "save_every_steps": 3, "num_workers": 1}
@@ -295,6 +298,7 @@ def kill_after_checkpoint(proc, state: Path, step: int) -> int:
     raise AssertionError("the run finished before it could be killed")
 
 
+@pytest.mark.slow  # real work of 10 s or more: not in make test-fast
 def test_a_two_process_run_killed_mid_run_resumes_on_one_process_with_the_same_global_batch(world, tmp_path):
     """2 processes x grad_accum 1 and 1 process x grad_accum 2 take the same optimizer steps on the same
     batches: a checkpoint of one resumes on the other and continues the uninterrupted curve (fp32 CPU,

@@ -36,6 +36,8 @@ from draftflow.engines.capture import CaptureError, make_capture_engine
 from draftflow.hidden_states.extract import Record, check_sample_lengths
 from real_vllm import vllm_env, vllm_python
 
+pytestmark = pytest.mark.slow  # a real vLLM (.venv-vllm): not in make test-fast
+
 HIDDEN, LAYERS, VOCAB = 16, 8, 64
 AUX = [1, 3, 4]
 

@@ -28,6 +28,8 @@ from conftest import copy_workflow, load_default_config, snakemake, write_config
 from draftflow.hidden_states.storage import SampleStore, decode_sample, find_range_dirs, read_range_index, store_root_of
 from real_vllm import VLLM_ENV, vllm_python
 
+pytestmark = pytest.mark.slow  # a real vLLM and a workflow run: not in make test-fast
+
 CONFIG = "--configfile=config/test.yaml"
 DATA_CONFIG = "results/hidden_states/data_config.json"
 # fp32 on the same CPU: the engines differ only in kernels (vLLM's fused RMSNorm, SDPA vs its

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import kill_all, snakemake, write_config
+from conftest import kill_all, snakemake, snakemake_env, write_config
 from real_vllm import VLLM_ENV, VLLM_SERVER_ARGS, vllm_python
 from test_workflow_extract import CONFIG, clone
 
@@ -83,7 +83,7 @@ def served(default_run, tmp_path_factory):
     hf_units = served_units(workdir / "results" / "state")  # the hf engine's units are named otherwise
     assert not hf_units, hf_units
     write_config(workdir, served_config(default_run.config, python))
-    env = {**os.environ, **VLLM_ENV, "PYTHONUNBUFFERED": "1"}
+    env = snakemake_env(**VLLM_ENV)
     cmd = [sys.executable, "-m", "snakemake", "--cores", "2", CONFIG]
     log = (workdir / "killed-run.log").open("w")
     first = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

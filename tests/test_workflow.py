@@ -47,6 +47,7 @@ def test_dry_run_examples_with_absent_data(workflow_copy, example):
     assert not Path(config["results"]).exists()
 
 
+@pytest.mark.slow  # real work of 10 s or more: not in make test-fast
 def test_two_methods_overlay_plans_each_drafter_once_from_one_pipeline(workflow_copy):
     """config/two-methods.yaml on the default: one build, merge and vocab, a train / evaluate /
     export / figure per method, one comparison figure; the default trains EAGLE-3 only."""
@@ -126,6 +127,7 @@ def test_unknown_key_on_the_command_line_gets_a_did_you_mean(workflow_copy):
     assert "train: unknown key 'learning_rat'; did you mean 'learning_rate'?" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # real work of 10 s or more: not in make test-fast
 def test_a_target_after_configfile_is_reported_not_read_as_config(workflow_copy):
     """README step 5 used to read `--configfile my.yaml results/merged/storage_plan.json`."""
     write_config(workflow_copy, load_default_config(), "my.yaml")
@@ -181,6 +183,7 @@ def _dry_run_after(workdir: Path, config: dict) -> dict[str, list[str]]:
     return planned_jobs(proc.stdout)
 
 
+@pytest.mark.slow  # real work of 10 s or more: not in make test-fast
 def test_nothing_to_do_after_a_run(merged_workflow):
     jobs = _dry_run_after(merged_workflow, small_config())
     assert jobs == {}, f"an unchanged config must plan no jobs, got {jobs}"
@@ -198,6 +201,7 @@ def test_rejected_records_are_counted_in_manifest_and_stats(merged_workflow):
     assert rows[("flaky", "train")]["rejected"] == ""
 
 
+@pytest.mark.slow  # real work of 10 s or more: not in make test-fast
 def test_an_empty_eval_split_stops_the_plan_before_training(merged_workflow, tmp_path):
     workdir = tmp_path / "wf"
     shutil.copytree(merged_workflow, workdir, symlinks=True)

@@ -23,8 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import copy_workflow, load_default_config, planned_jobs, snakemake, write_config
+from conftest import copy_workflow, load_default_config, planned_jobs, snakemake, snakemake_env, write_config
 from draftflow.hidden_states.storage import SUFFIX, read_index_columns
+
+pytestmark = pytest.mark.slow  # real Snakemake runs, killed and resumed (minutes): not in make test-fast
 
 CONFIG = "--configfile=config/test.yaml"  # the `=` form: --configfile takes several values
 MERGED = "results/merged/manifest.json"
@@ -120,7 +122,8 @@ def run_until_killed(workdir: Path, target: str, expected: int, at_least: int = 
     in the store. Returns how many were stored when it died."""
     cmd = [sys.executable, "-m", "snakemake", "--cores", "1", target, CONFIG]
     log = open(workdir / "killed-run.log", "w")
-    proc = subprocess.Popen(cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=snakemake_env())
     root, deadline = workdir / STORE, time.monotonic() + 300
     try:
         while count_store_files(root) < at_least:
