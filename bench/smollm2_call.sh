@@ -46,7 +46,7 @@ stash() {
 
 collect() {
     python3 bench/smollm2.py collect --work "$W" --out "$OUT" || note "collect failed"
-    for f in "$W"/logs-*.txt; do [ -e "$f" ] && tail -c 20000 "$f" > "$OUT/$(basename "$f")"; done
+    for f in "$W"/logs-*.txt "$W"/qc-*.log; do [ -e "$f" ] && tail -c 20000 "$f" > "$OUT/$(basename "$f")"; done
     ls -la "$OUT" >&2
 }
 
