@@ -2,7 +2,7 @@
 exports, reports served τ against in-process τ, and fails, naming the cause, on each broken export:
 aux ids shifted by one, d2t offsets wrong, a zeroed fc, the wrong norm_output, a dtype the engine
 refuses. A broken export fails the workflow itself; the served part catches a zeroed draft LM
-head and a weight vLLM cannot place on its own (a real vLLM, its CPU build).
+head (a real vLLM, its CPU build).
 """
 
 from __future__ import annotations
@@ -170,11 +170,11 @@ def test_off_leaves_the_gate_out(default_run):
     assert "serve_check" not in proc.stdout + proc.stderr
 
 
-def test_vllm_served_catches_a_zeroed_lm_head_and_a_weight_it_cannot_place(default_run, tmp_path):
+def test_vllm_served_catches_a_zeroed_lm_head(default_run, tmp_path):
     """The served part alone (static part bypassed), through a real vLLM: a zeroed draft LM head
-    serves, but τ falls far below the in-process τ of the trained drafter; an extra tensor stops
-    vLLM at load. (A zeroed fc does not show in served τ here: the toy's drafter still drafts from
-    the token embeddings, 3.76 against 3.875 in-process, measured; the static part catches it.)"""
+    serves, but τ falls far below the in-process τ of the trained drafter. (A zeroed fc does not
+    show in served τ here: the toy's drafter still drafts from the token embeddings, 3.76 against
+    3.875 in-process, measured; the static part catches it.)"""
     python = str(vllm_python())
     workdir = default_run.workdir
     results = workdir / "results"
@@ -190,8 +190,3 @@ def test_vllm_served_catches_a_zeroed_lm_head_and_a_weight_it_cannot_place(defau
     assert served.tau_served < 1.2 < served.tau_in_process, served
     assert any("served τ" in f and "in-process" in f for f in findings), findings
 
-    extra = broken_copy(workdir, "eagle3", tmp_path / "extra")
-    edit_tensors(extra / "vllm", lambda t: t.update({"fc.bias": torch.zeros(t["fc.weight"].shape[0])}))
-    with pytest.raises(GateFailed, match="vLLM refused the export .*fc.bias"):
-        serve(extra, results / "drafter" / "eagle3", results / "target", results / "merged" / "eval.jsonl",
-              "eagle3", s, settings, python, tmp_path / "logs-extra", 2)  # fmt: skip

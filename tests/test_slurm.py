@@ -226,6 +226,7 @@ def test_default_pipeline_on_slurm(slurm_cluster, tmp_path: Path):
         "--slurm-jobname-prefix", prefix,
     ]
     env = dict(os.environ, SBATCH_PARTITION=PARTITION, PYTHONUNBUFFERED="1")
+    env.pop("DRAFTFLOW_VLLM_PYTHON", None)  # the export gate checks statically here (test_serve_check serves)
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=wf, env=env, capture_output=True, text=True, timeout=1500)
