@@ -369,6 +369,19 @@ def serve_check_python() -> str | None:
     return str(local) if local.exists() else None
 
 
+def serve_check_gpus() -> int:
+    """GPUs for the gate: export.tensor_parallel when it will serve vLLM on a GPU workflow
+    (extraction has GPUs), else none: the static part and a CPU vLLM need no GPU, and a
+    cluster job that asks for one waits for it."""
+    import importlib.util
+
+    check = config["export"]["check"]
+    if check == "off" or not config["extract"]["gpus_per_job"]:
+        return 0
+    serves = check == "vllm" or bool(serve_check_python()) or importlib.util.find_spec("vllm")
+    return config["export"]["tensor_parallel"] if serves else 0
+
+
 def serve_check_settings() -> tuple[dict, Operational]:
     """The gate's settings: what it checks (reruns it when changed), and how it serves (never)."""
     s = config["export"]["serve_check"]

@@ -89,7 +89,7 @@ rule serve_check:
     # the launched vLLM runs on the job's CPU threads (or its GPUs)
     threads: 4
     resources:
-        gpu=config["export"]["tensor_parallel"],
+        gpu=serve_check_gpus(),
     params:
         export_settings=lambda w: as_settings(export_settings(w.method)),
         settings=lambda w: as_settings(serve_check_settings()[0]),

@@ -53,10 +53,10 @@ def snakemake_env(serve_check: bool = False, **extra: str) -> dict[str, str]:
 
 
 def snakemake(workdir: Path, *args: str, check: bool = True, timeout: int = 1200,
-              serve_check: bool = False) -> subprocess.CompletedProcess:  # fmt: skip
+              serve_check: bool = False, extra_env: dict | None = None) -> subprocess.CompletedProcess:  # fmt: skip
     """Run the real Snakemake CLI in `workdir` with this interpreter's environment (no SLURM)."""
     cmd = [sys.executable, "-m", "snakemake", "--cores", "2", *args]
-    env = snakemake_env(serve_check)
+    env = {**snakemake_env(serve_check), **(extra_env or {})}
     proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(

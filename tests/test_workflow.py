@@ -114,6 +114,24 @@ def test_small_builtin_target_plans_with_distinct_default_aux_ids(workflow_copy,
     assert "build_target" in planned_jobs(proc.stdout)
 
 
+def _job_resources(output: str, rule: str) -> str:
+    """The `resources:` line of the first job of `rule` in a dry run's listing."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == f"rule {rule}:")
+    return next(line.strip() for line in lines[start:] if line.strip().startswith("resources:"))
+
+
+@pytest.mark.parametrize("serves", [True, False])
+def test_export_gate_asks_for_a_gpu_only_when_it_serves_on_a_gpu_workflow(workflow_copy, serves):
+    """On a GPU cluster a job that asks for a GPU waits for one: the static gate must not ask
+    (the SLURM run's gate job did), the served one needs export.tensor_parallel GPUs."""
+    args = ("-n", "results/export/eagle3/serve_check.json", "--config", "extract={gpus_per_job: 1}",
+            "--resources", "gpu=4")  # fmt: skip
+    env_python = {"DRAFTFLOW_VLLM_PYTHON": sys.executable} if serves else {}
+    proc = snakemake(workflow_copy, *args, serve_check=serves, extra_env=env_python)
+    assert _job_resources(proc.stdout, "serve_check").endswith(f"gpu={int(serves)}"), proc.stdout[-3000:]
+
+
 def test_nested_config_from_the_command_line_reaches_the_rules(workflow_copy):
     proc = snakemake(workflow_copy, "-n", "-p", "--config", "train={draft_vocab_size: 100, learning_rate: 0.001}",
                      "evaluate={draft_tokens: [2, 5]}", check=False)  # fmt: skip
