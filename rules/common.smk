@@ -378,7 +378,11 @@ def serve_check_gpus() -> int:
     check = config["export"]["check"]
     if check == "off" or not config["extract"]["gpus_per_job"]:
         return 0
-    serves = check == "vllm" or bool(serve_check_python()) or importlib.util.find_spec("vllm")
+    serves = (
+        check == "vllm"
+        or bool(serve_check_python())
+        or importlib.util.find_spec("vllm")
+    )
     return config["export"]["tensor_parallel"] if serves else 0
 
 
