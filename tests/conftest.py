@@ -18,6 +18,30 @@ REPO = Path(__file__).resolve().parent.parent
 WORKFLOW_PARTS = ["Snakefile", "rules", "config", "data", "report", "envs", "profiles"]
 
 
+# `make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`). A module runs on one
+# worker (its module fixtures are built once), and so do all modules that read the shared
+# default run (built once per worker otherwise). Groups start longest first (seconds measured in
+# the last full run, BENCHMARKS.md "The test suite's minutes") so that neither worker is left
+# with a long tail; the rest keep their file order.
+SHARED_RUN_GROUP = "default_run"
+GROUP_SECONDS = {
+    SHARED_RUN_GROUP: 940, "test_real_model": 540, "test_slurm": 340, "test_workflow_extract": 290,
+    "test_vllm_extract_real": 155, "test_workflow": 110, "test_target": 105, "test_rerun_table": 100,
+    "test_train": 50, "test_sampling": 45,
+}  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    shared = {item.module.__name__ for item in items if SHARED_RUN_GROUP in getattr(item, "fixturenames", ())}
+
+    def group(item) -> str:
+        return SHARED_RUN_GROUP if item.module.__name__ in shared else item.module.__name__
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    items.sort(key=lambda item: -GROUP_SECONDS.get(group(item), 0))  # stable: file order within a group
+
+
 def copy_workflow(dest: Path) -> Path:
     """Copy the workflow (not results) into `dest`, so a test's runs touch nothing shared."""
     dest.mkdir(parents=True, exist_ok=True)

@@ -18,13 +18,21 @@ REPO = Path(__file__).resolve().parent.parent
 # What every vLLM started by a test gets: a small CPU KV cache (GiB; the default takes a
 # share of the host's memory) and no usage reporting.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+# A test's server (VLLM_SERVER_ARGS) gets this too: see there. Not extraction's in-process engine:
+# with it, vLLM runs its engine core in the job's process, and our capture's wait for vLLM's
+# writer timed out (a range of test_vllm_extract_real, once, after 60 s).
+VLLM_SERVER_ENV = {**VLLM_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 # A server of the builtin target on the CPU build, as config/vllm-cpu.yaml starts it: fp32 like
 # the hf engine on CPU; no torch.compile warm-up (minutes on 2 cores); the target's context (its
 # max_position_embeddings); an explicit KV cache (without one, vLLM's CPU worker refuses to
-# start unless 92% of the NUMA node's memory is free, which a loaded host does not have).
+# start unless 92% of the NUMA node's memory is free, which a loaded host does not have); the
+# worker in the engine core's process (with VLLM_ENABLE_V1_MULTIPROCESSING=0 above; else the CPU
+# build turns `uni` back into `mp`): one fewer process importing vLLM, ~10 s less per launch on
+# 2 cores (39 -> 28 s to a ready server, BENCHMARKS.md). The workflow's own defaults (the export
+# gate, config/vllm-cpu.yaml) keep vLLM's supported `mp`; these are the tests' servers only.
 VLLM_SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-                    "--kv-cache-memory-bytes", str(1 << 30)]  # fmt: skip
+                    "--kv-cache-memory-bytes", str(1 << 30), "--distributed-executor-backend", "uni"]  # fmt: skip
 
 
 def vllm_python() -> Path:
@@ -47,4 +55,5 @@ def free_port() -> int:
 
 
 def vllm_env() -> dict[str, str]:
-    return {**os.environ, **VLLM_ENV}
+    """The environment of a test's own vLLM server."""
+    return {**os.environ, **VLLM_SERVER_ENV}

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from conftest import REPO, copy_workflow, kill_all, snakemake, write_config
-from real_vllm import VLLM_ENV, vllm_python
+from real_vllm import VLLM_SERVER_ENV, vllm_python
 from test_evaluate import check_against_outputs
 from test_hf_capture import Reference
 from test_vllm_served import check_served_against_hf, clone, served_config, vllm_processes, wait_gone
@@ -228,7 +228,7 @@ def test_workflow_trains_evaluates_and_exports_a_drafter_for_the_real_model(smol
 # 8192 tokens of fp32 KV cache are 30 layers x 2 x 3 heads x 64 x 4 B = 45 KiB each, 360 MiB in all,
 # inside the explicit 1 GiB cache)
 SMOLLM2_VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "8192",
-                     "--kv-cache-memory-bytes", str(1 << 30)]  # fmt: skip
+                     "--kv-cache-memory-bytes", str(1 << 30), "--distributed-executor-backend", "uni"]  # fmt: skip
 
 
 @pytest.mark.timeout(2400)
@@ -243,7 +243,7 @@ def test_a_real_vllm_serves_the_smollm2_drafter_as_greedy_with_the_hf_engines_ta
     config = served_config(config, python)
     config["evaluate"]["server"]["extra_args"] = SMOLLM2_VLLM_ARGS
     write_config(workdir, config)
-    for key, value in VLLM_ENV.items():
+    for key, value in VLLM_SERVER_ENV.items():
         monkeypatch.setenv(key, value)
     try:
         run = snakemake(workdir, "--configfile=config/test.yaml", timeout=1800)

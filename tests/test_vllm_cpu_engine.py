@@ -18,6 +18,7 @@ the connector test runs both connectors' own code in the vLLM venv (tests/real_v
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -34,7 +35,7 @@ from safetensors.torch import save_file
 from draftflow.engines import vllm_capture as V
 from draftflow.engines.capture import CaptureError, make_capture_engine
 from draftflow.hidden_states.extract import Record, check_sample_lengths
-from real_vllm import vllm_env, vllm_python
+from real_vllm import VLLM_ENV, vllm_python
 
 pytestmark = pytest.mark.slow  # a real vLLM (.venv-vllm): not in make test-fast
 
@@ -214,7 +215,7 @@ CONNECTOR_SCRIPT = textwrap.dedent('''
 def test_our_connector_copies_on_the_cpu_where_vllms_fails():
     python = vllm_python()
     repo = Path(__file__).resolve().parent.parent
-    env = {**vllm_env(), "PYTHONPATH": str(repo)}
+    env = {**os.environ, **VLLM_ENV, "PYTHONPATH": str(repo)}
     proc = subprocess.run([str(python), "-c", CONNECTOR_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]

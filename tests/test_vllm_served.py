@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from conftest import kill_all, snakemake, snakemake_env, write_config
-from real_vllm import VLLM_ENV, VLLM_SERVER_ARGS, vllm_python
+from real_vllm import VLLM_SERVER_ARGS, VLLM_SERVER_ENV, vllm_python
 from test_workflow_extract import CONFIG, clone
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # the default run, then ~6 vLLM launches
@@ -83,7 +83,7 @@ def served(default_run, tmp_path_factory):
     hf_units = served_units(workdir / "results" / "state")  # the hf engine's units are named otherwise
     assert not hf_units, hf_units
     write_config(workdir, served_config(default_run.config, python))
-    env = snakemake_env(**VLLM_ENV)
+    env = snakemake_env(**VLLM_SERVER_ENV)
     cmd = [sys.executable, "-m", "snakemake", "--cores", "2", CONFIG]
     log = (workdir / "killed-run.log").open("w")
     first = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
