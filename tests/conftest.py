@@ -31,6 +31,7 @@ GROUP_SECONDS = {
 }  # fmt: skip
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items) -> None:
     shared = {item.module.__name__ for item in items if SHARED_RUN_GROUP in getattr(item, "fixturenames", ())}
 

@@ -346,7 +346,7 @@ def _server_env(python: str, threads: int) -> dict[str, str]:
 def serve(export_dir: Path, drafter_dir: Path, target: Path, eval_data: Path, method: str, s: ExportSettings,
           settings: CheckSettings, python: str, log_dir: Path, threads: int) -> Served:  # fmt: skip
     from draftflow.evaluation.served import (
-        VLLM_SERVER, LaunchedServer, ServerConfig, ServerSettings, free_port, make_client, run_unit, server_argv,
+        VLLM_SERVER, LaunchedServer, ServerConfig, ServerSettings, free_port, make_client, run_unit, server_argv, tail,
     )  # fmt: skip
 
     started = time.monotonic()
@@ -356,7 +356,8 @@ def serve(export_dir: Path, drafter_dir: Path, target: Path, eval_data: Path, me
     extra = settings.extra_args if settings.extra_args is not None else (() if _has_gpus() else VLLM_CPU_ARGS)
     host = "127.0.0.1"
     units, weight_lines = {}, []
-    for name in ("drafter", "target"):
+    # the target alone first: when vLLM cannot serve the target itself, the export is not at fault
+    for name in ("target", "drafter"):
         port = free_port(host)
         # every prompt token computed by the server, as by the hf engine
         common_args = ["--host", host, "--port", str(port), "--no-enable-prefix-caching", *extra]
@@ -385,7 +386,10 @@ def serve(export_dir: Path, drafter_dir: Path, target: Path, eval_data: Path, me
             if name == "drafter" and info.k != k:
                 raise GateFailed(f"{export_dir / 'vllm' / 'launch.sh'} serves K = {info.k}, expected {k}")
             config = ServerConfig(k if name == "drafter" else 0, method)
-            units[name] = run_unit(client, prompts, config, 0.0, tokenizer, settings.max_new_tokens, 1, {})
+            try:
+                units[name] = run_unit(client, prompts, config, 0.0, tokenizer, settings.max_new_tokens, 1, {})
+            except (DraftflowError, OSError) as e:  # a request failed: the engine died or answered an error
+                raise GateFailed(_request_failed(name, target, export_dir, e, server_log, tail(server_log))) from None
             version = info.version
         finally:
             server.stop()
@@ -398,6 +402,19 @@ def serve(export_dir: Path, drafter_dir: Path, target: Path, eval_data: Path, me
     return Served("vllm", str(version), k, len(drafted), counts.tau, stats.tau, counts.verify_steps, stats.steps,
                   sum(a == b for a, b in zip(drafted, alone)), sum(a == b for a, b in zip(drafted, hf_drafted)),
                   weight_lines, time.monotonic() - started)  # fmt: skip
+
+
+def _request_failed(name: str, target: Path, export_dir: Path, error: Exception, server_log: Path,
+                    log_tail: str) -> str:  # fmt: skip
+    """The gate's message when a started server fails a request: which server, and whose fault."""
+    if name == "target":
+        return (f"vLLM started but could not serve the target {target} alone (no drafter): {error}\n"
+                f"The export was not tested: vLLM cannot run this target here (on a CPU, its attention "
+                f"kernels support only some head sizes). Serve on a target vLLM runs, or set export.check: off "
+                f"(the static part still runs where vLLM is not installed). {server_log} ends:\n{log_tail}")
+    return (f"vLLM served the target alone but failed with the export {export_dir / 'vllm'}: {error}\n"
+            f"The drafter breaks the engine (a shape, dtype or config the release does not accept): re-export with "
+            f"`draftflow export` for export.vllm_version. {server_log} ends:\n{log_tail}")
 
 
 def served_findings(served: Served, tolerance: float) -> list[str]:
