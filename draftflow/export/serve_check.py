@@ -346,7 +346,7 @@ def _server_env(python: str, threads: int) -> dict[str, str]:
 def serve(export_dir: Path, drafter_dir: Path, target: Path, eval_data: Path, method: str, s: ExportSettings,
           settings: CheckSettings, python: str, log_dir: Path, threads: int) -> Served:  # fmt: skip
     from draftflow.evaluation.served import (
-        VLLM_SERVER, LaunchedServer, ServerConfig, ServerSettings, free_port, make_client, run_unit, server_argv, tail,
+        VLLM_SERVER, LaunchedServer, ServerConfig, ServerSettings, free_port, make_client, run_unit, server_argv,
     )  # fmt: skip
 
     started = time.monotonic()
@@ -389,7 +389,7 @@ def serve(export_dir: Path, drafter_dir: Path, target: Path, eval_data: Path, me
             try:
                 units[name] = run_unit(client, prompts, config, 0.0, tokenizer, settings.max_new_tokens, 1, {})
             except (DraftflowError, OSError) as e:  # a request failed: the engine died or answered an error
-                raise GateFailed(_request_failed(name, target, export_dir, e, server_log, tail(server_log))) from None
+                raise GateFailed(_request_failed(name, target, export_dir, e, server_log)) from None
             version = info.version
         finally:
             server.stop()
@@ -404,9 +404,19 @@ def serve(export_dir: Path, drafter_dir: Path, target: Path, eval_data: Path, me
                   weight_lines, time.monotonic() - started)  # fmt: skip
 
 
-def _request_failed(name: str, target: Path, export_dir: Path, error: Exception, server_log: Path,
-                    log_tail: str) -> str:  # fmt: skip
-    """The gate's message when a started server fails a request: which server, and whose fault."""
+# the root cause an engine process logs before the API answers HTTP 500
+ENGINE_ERROR = re.compile(r"\b((?:Runtime|Value|NotImplemented|Assertion|Type)Error: .+)")
+
+
+def _request_failed(name: str, target: Path, export_dir: Path, error: Exception, server_log: Path) -> str:
+    """The gate's message when a started server fails a request: which server, whose fault, and
+    the engine's own error from its log (the HTTP answer only says "EngineCore encountered an issue")."""
+    from draftflow.evaluation.served import tail
+
+    text = server_log.read_text(errors="replace") if server_log.exists() else ""
+    causes = ENGINE_ERROR.findall(text)
+    error = f"{error}\nvLLM's error: {causes[0]}" if causes else error
+    log_tail = tail(server_log)
     if name == "target":
         return (f"vLLM started but could not serve the target {target} alone (no drafter): {error}\n"
                 f"The export was not tested: vLLM cannot run this target here (on a CPU, its attention "
