@@ -147,10 +147,14 @@ class DefaultRun:
 def default_run(tmp_path_factory) -> DefaultRun:
     """One run for the tests that read its outputs (the end-to-end checks, the real-vLLM tests);
     a test that changes anything works on a `clone` of its workdir."""
+    from real_vllm import VLLM_SERVER_ARGS, VLLM_SERVER_ENV
     from test_workflow_extract import CONFIG, small_config
 
     workdir = copy_workflow(tmp_path_factory.mktemp("default-run") / "wf")
     config = small_config()
     config["train"]["methods"] = ["eagle3", "dflash"]  # what config/two-methods.yaml adds to the default
+    # The gate's four servers as the tests' own (~10 s less each); test_serve_check serves with
+    # the gate's default CPU arguments.
+    config.setdefault("export", {})["serve_check"] = {"extra_args": VLLM_SERVER_ARGS}
     write_config(workdir, config)
-    return DefaultRun(workdir, config, snakemake(workdir, CONFIG, serve_check=True))
+    return DefaultRun(workdir, config, snakemake(workdir, CONFIG, serve_check=True, extra_env=VLLM_SERVER_ENV))
