@@ -61,7 +61,7 @@ run: setup
 	$(VENV)/bin/snakemake --cores all $(SNAKEMAKE_ARGS)
 
 # .venv-vllm is built beside .venv and then SmolLM2's conversion (independent; most of the
-# set-up is unpacking wheels): 3 min 16 s one after the other, ~2 min 30 s side by side.
+# set-up is unpacking wheels): 3 min 16 s with SmolLM2's set-up after both venvs, 2 min 27 s beside.
 test:
 	$(MAKE) -j2 vllm-setup real-model
 	DRAFTFLOW_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)

@@ -29,7 +29,7 @@ VLLM_SERVER_ENV = {**VLLM_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # start unless 92% of the NUMA node's memory is free, which a loaded host does not have); the
 # worker in the engine core's process (with VLLM_ENABLE_V1_MULTIPROCESSING=0 above; else the CPU
 # build turns `uni` back into `mp`): one fewer process importing vLLM, ~10 s less per launch on
-# 2 cores (39 -> 28 s to a ready server, BENCHMARKS.md). The workflow's own defaults (the export
+# 2 cores (31.2 -> 18.9 s to a ready server, bench/vllm_launch_time.sh, BENCHMARKS.md). The workflow's own defaults (the export
 # gate, config/vllm-cpu.yaml) keep vLLM's supported `mp`; these are the tests' servers only.
 VLLM_SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
                     "--kv-cache-memory-bytes", str(1 << 30), "--distributed-executor-backend", "uni"]  # fmt: skip

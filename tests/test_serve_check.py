@@ -191,14 +191,14 @@ def test_vllm_served_catches_a_zeroed_lm_head(default_run, tmp_path):
     assert any("served τ" in f and "in-process" in f for f in findings), findings
 
 
-
 def test_a_target_vllm_cannot_run_is_named_as_such_not_blamed_on_the_export(default_run, tmp_path):
-    """A target whose attention vLLM's CPU build cannot run (head size 16: the rerun table's tiny
+    """A target whose attention vLLM's CPU build cannot run (head size 16, as the rerun table's tiny
     target, on which vLLM 0.32.0 started and then answered HTTP 500): the target-alone server
     goes first, and the gate says the target, not the export, is what vLLM cannot serve."""
     from draftflow.config import validate_config
     from draftflow.target import BuiltinSettings, build_target
 
+    # the default builtin target's vocabulary (the eval prompts' ids fit it) with the tiny shape
     settings = validate_config({"datasets": {"x": {"path": "x.jsonl"}}})["target"]["builtin"]
     settings.update(train_steps=0, num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                     num_key_value_heads=1)  # fmt: skip
