@@ -40,6 +40,10 @@ STAGES: dict[str, tuple[str, str]] = {
     "evaluate": ("draftflow.evaluation.evaluate", "measure acceptance length"),
     "export": ("draftflow.export.stage", "export the drafter for SGLang and vLLM"),
     "serve-check": ("draftflow.export.serve_check", "gate an export: static check, and served by vLLM when installed"),
+    "serve-target": (
+        "draftflow.export.serve_check",
+        "serve the target alone with vLLM: the greedy outputs every export's gate compares with",
+    ),
     "import-drafter": ("draftflow.export.stage", "import a SpecForge / SGLang-format EAGLE-3 drafter"),
     "plot": ("draftflow.plots", "render a report figure (PNG)"),
     "summary": ("draftflow.summary", "write the report's summary page (headline figures and tables)"),

@@ -369,21 +369,38 @@ def serve_check_python() -> str | None:
     return str(local) if local.exists() else None
 
 
+def gate_serves() -> bool:
+    """Whether the export gate will serve vLLM: export.check vllm, or auto with a vLLM found
+    (export.serve_check.python, $DRAFTFLOW_VLLM_PYTHON, .venv-vllm, or this Python)."""
+    import importlib.util
+
+    check = config["export"]["check"]
+    if check == "off":
+        return False
+    return (
+        check == "vllm"
+        or bool(serve_check_python())
+        or importlib.util.find_spec("vllm") is not None
+    )
+
+
 def serve_check_gpus() -> int:
     """GPUs for the gate: export.tensor_parallel when it will serve vLLM on a GPU workflow
     (extraction has GPUs), else none: the static part and a CPU vLLM need no GPU, and a
     cluster job that asks for one waits for it."""
-    import importlib.util
-
-    check = config["export"]["check"]
-    if check == "off" or not config["extract"]["gpus_per_job"]:
+    if not config["extract"]["gpus_per_job"] or not gate_serves():
         return 0
-    serves = (
-        check == "vllm"
-        or bool(serve_check_python())
-        or importlib.util.find_spec("vllm")
-    )
-    return config["export"]["tensor_parallel"] if serves else 0
+    return config["export"]["tensor_parallel"]
+
+
+TARGET_ALONE = f"{RESULTS}/export/target_alone.json"
+
+
+def target_alone_input() -> list:
+    """serve_target's output (one target-alone server for every method) wherever the gate runs:
+    where no vLLM is found it says so in a second, and the DAG does not change with the machine.
+    """
+    return [] if config["export"]["check"] == "off" else [TARGET_ALONE]
 
 
 def serve_check_settings() -> tuple[dict, Operational]:
@@ -402,6 +419,15 @@ def serve_check_settings() -> tuple[dict, Operational]:
         "startup_timeout_s": s["startup_timeout_s"],
     }
     return content, Operational(runtime)
+
+
+def serve_target_settings() -> tuple[dict, dict, Operational]:
+    """serve_target's (export settings, gate settings, runtime): only what the target alone's
+    greedy outputs depend on, so that a drafter's or the tolerance's change does not serve it again.
+    """
+    content, runtime = serve_check_settings()
+    content = {k: v for k, v in content.items() if k != "tolerance"}
+    return {"dtype": config["export"]["dtype"]}, content, runtime
 
 
 def resolved_aux_layer_ids():

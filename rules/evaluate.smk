@@ -72,12 +72,42 @@ rule export:
         " --settings {params.settings:q} --output-dir {params.out_dir} > {log} 2>&1"
 
 
+rule serve_target:
+    input:
+        target=target_input(),
+        eval_data=f"{RESULTS}/merged/eval.jsonl",
+    output:
+        TARGET_ALONE,
+    log:
+        f"{LOGS}/serve_check/target_alone.log",
+    benchmark:
+        f"{BENCH}/serve_check/target_alone.tsv"
+    conda:
+        CONDA_ENV
+    # the launched vLLM runs on the job's CPU threads (or its GPUs)
+    threads: 4
+    resources:
+        gpu=serve_check_gpus(),
+    params:
+        export_settings=lambda w: as_settings(serve_target_settings()[0]),
+        settings=lambda w: as_settings(serve_target_settings()[1]),
+        runtime=lambda w: serve_target_settings()[2],
+        target_identity=lambda w: target_identity(),
+        target=lambda w: Operational(target_dir()),
+    shell:
+        "draftflow --threads {threads} serve-target --target {params.target} --eval-data {input.eval_data}"
+        " --export-settings {params.export_settings:q} --settings {params.settings:q} --runtime {params.runtime:q}"
+        " --output {output} > {log} 2>&1"
+
+
 rule serve_check:
     input:
         export=f"{RESULTS}/export/{{method}}/export.json",
         drafter=f"{RESULTS}/drafter/{{method}}",
         target=target_input(),
         eval_data=f"{RESULTS}/merged/eval.jsonl",
+        # the target alone, served once for every method's gate
+        target_alone=target_alone_input(),
     output:
         f"{RESULTS}/export/{{method}}/serve_check.json",
     log:
@@ -97,10 +127,14 @@ rule serve_check:
         target_identity=lambda w: target_identity(),
         target=lambda w: Operational(target_dir()),
         export_dir=lambda w, input: os.path.dirname(input.export),
+        target_alone=lambda w, input: (
+            f"--target-alone {input.target_alone}" if input.target_alone else ""
+        ),
     shell:
         "draftflow --threads {threads} serve-check --export-dir {params.export_dir} --drafter {input.drafter}"
         " --target {params.target} --eval-data {input.eval_data} --export-settings {params.export_settings:q}"
-        " --settings {params.settings:q} --runtime {params.runtime:q} --output {output} > {log} 2>&1"
+        " --settings {params.settings:q} --runtime {params.runtime:q} {params.target_alone}"
+        " --output {output} > {log} 2>&1"
 
 
 rule plot_lengths:

@@ -180,7 +180,7 @@ def test_default_workflow_end_to_end(default_run):
 
     # Every job used exactly its declared threads (2 cores: rules asking more get 2).
     logs = results / "logs"
-    expected = {"build_target.log": 1, "merge.log": 1}
+    expected = {"build_target.log": 1, "merge.log": 1, "serve_check/target_alone.log": 2}
     for method in METHODS:
         expected.update({f"train/{method}.log": 2, f"evaluate/{method}.log": 2, f"export/{method}.log": 1,
                          f"serve_check/{method}.log": 2})

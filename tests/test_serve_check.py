@@ -19,6 +19,7 @@ from conftest import snakemake
 from real_vllm import vllm_python
 from test_workflow_extract import CONFIG, clone
 
+from draftflow.errors import DraftflowError
 from draftflow.export.common import ExportSettings
 from draftflow.export.serve_check import CheckSettings, GateFailed, run_check, serve, served_findings
 
@@ -117,6 +118,11 @@ def test_good_exports_pass_and_the_default_reports_served_tau(default_run):
         if method == "eagle3":  # the shrunk default's DFlash learns little: τ ~ 1 in both engines alike
             assert served["tau_served"] > 1.5, served  # the drafter is accepted, not ~1
         assert served["weight_log_lines"] == []
+        # the target alone was served once, by serve_target, not again by each method's gate
+        assert not (results / "export" / method / "serve_check_logs" / "vllm-target.log").exists()
+    alone = json.loads((results / "export" / "target_alone.json").read_text())
+    assert alone["served"] is True and len(alone["outputs"]) == 4 and all(alone["outputs"])
+    assert (results / "export" / "serve_check_logs" / "vllm-target.log").is_file()
     page = (results / "report" / "summary.rst").read_text()
     assert "Serve check (export/eagle3/serve_check.json)" in page and "served τ" in page
 
@@ -213,3 +219,19 @@ def test_a_target_vllm_cannot_run_is_named_as_such_not_blamed_on_the_export(defa
               CheckSettings.from_dict({"check": "vllm", "python": python}), python, tmp_path / "logs", 2)  # fmt: skip
     assert "vllm-target.log ends:" in str(e.value)
     assert not (tmp_path / "logs" / "vllm-drafter.log").exists()  # the export was never launched
+
+
+def test_a_stale_target_alone_is_refused_before_any_server_starts(default_run, tmp_path):
+    """serve_target's outputs were decoded from other prompts (here: another max_new_tokens): the gate
+    names the file and what differs instead of comparing against the wrong outputs."""
+    results = default_run.workdir / "results"
+    stale = json.loads((results / "export" / "target_alone.json").read_text())
+    stale["max_new_tokens"] = 7
+    (tmp_path / "target_alone.json").write_text(json.dumps(stale))
+    python = str(vllm_python())
+    settings = CheckSettings.from_dict({"check": "vllm", "python": python})
+    with pytest.raises(DraftflowError, match=r"target_alone\.json: the target alone was served on other prompts"):
+        serve(results / "export" / "eagle3", results / "drafter" / "eagle3", results / "target",
+              results / "merged" / "eval.jsonl", "eagle3", export_settings(default_run.workdir, "eagle3"), settings,
+              python, tmp_path / "logs", 2, tmp_path / "target_alone.json")  # fmt: skip
+    assert not (tmp_path / "logs").exists()  # no server was launched

@@ -134,8 +134,12 @@ def small_config() -> dict:
         "train_seq_len": 32,
         "train_batch_size": 2,
     }
-    for dataset in config["datasets"].values():
-        dataset["max_samples"] = 4
+    # One chat dataset and the regenerated one: every rule still runs, with the fewest jobs (each
+    # SLURM job costs ~6-10 s of start-up here, and the plugin polls between them).
+    config["datasets"] = {
+        "chat": {**config["datasets"]["chat"], "shards": 1, "max_samples": 4},
+        "prompts": {**config["datasets"]["prompts"], "max_samples": 4},
+    }
     config["regenerate"]["max_new_tokens"] = 8
     config["merge"].update(max_seq_len=128, samples_per_range=6, min_eval_samples=2)
     config["extract"]["gpus_per_job"] = 1  # -> resources gpu=1 -> sbatch --gpus=1

@@ -130,6 +130,8 @@ def test_export_gate_asks_for_a_gpu_only_when_it_serves_on_a_gpu_workflow(workfl
     env_python = {"DRAFTFLOW_VLLM_PYTHON": sys.executable} if serves else {}
     proc = snakemake(workflow_copy, *args, serve_check=serves, extra_env=env_python)
     assert _job_resources(proc.stdout, "serve_check").endswith(f"gpu={int(serves)}"), proc.stdout[-3000:]
+    # the target alone is served by a job of its own, once for every method; it asks for GPUs as the gate
+    assert _job_resources(proc.stdout, "serve_target").endswith(f"gpu={int(serves)}"), proc.stdout[-3000:]
 
 
 def test_nested_config_from_the_command_line_reaches_the_rules(workflow_copy):

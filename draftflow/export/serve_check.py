@@ -343,63 +343,114 @@ def _server_env(python: str, threads: int) -> dict[str, str]:
     return env
 
 
-def serve(export_dir: Path, drafter_dir: Path, target: Path, eval_data: Path, method: str, s: ExportSettings,
-          settings: CheckSettings, python: str, log_dir: Path, threads: int) -> Served:  # fmt: skip
-    from draftflow.evaluation.served import (
-        VLLM_SERVER, LaunchedServer, ServerConfig, ServerSettings, free_port, make_client, run_unit, server_argv,
-    )  # fmt: skip
+TARGET_ALONE = "target_alone.json"  # results/export/: the target alone's greedy outputs, shared by every gate
 
+
+def _cpu_extra_args(settings: CheckSettings) -> tuple[str, ...]:
+    return settings.extra_args if settings.extra_args is not None else (() if _has_gpus() else VLLM_CPU_ARGS)
+
+
+def _serve_unit(name: str, argv_for_port, prompts, tokenizer, k: int, method: str, settings: CheckSettings,
+                env: dict, server_log: Path, target: Path, export_dir: Path | None):  # fmt: skip
+    """Launch one vLLM (`argv_for_port(host, port)`), decode the prompts greedily, stop it.
+    Returns (UnitResult, vLLM's version). `name`: "target" (alone) or "drafter" (the export's launch.sh)."""
+    from draftflow.evaluation.served import LaunchedServer, ServerConfig, free_port, make_client, run_unit
+
+    host = "127.0.0.1"
+    port = free_port(host)
+    server_log.unlink(missing_ok=True)
+    url = f"http://{host}:{port}"
+    server = LaunchedServer(argv_for_port(host, port), url, server_log, settings.startup_timeout_s, env)
+    try:
+        server.__enter__()  # stops the server itself when it fails to start
+    except DraftflowError as e:  # vLLM refuses a checkpoint whose names do not fit at load time
+        refused = sorted(set(WEIGHT_LOG_LINES.findall(server_log.read_text(errors="replace")))) \
+            if server_log.exists() else []  # fmt: skip
+        if refused and export_dir is not None:
+            raise GateFailed(f"vLLM refused the export {export_dir / 'vllm'}: {'; '.join(refused)} (export "
+                             "format mismatch: re-export with `draftflow export`)") from None  # fmt: skip
+        raise GateFailed(f"vLLM did not start with {name == 'drafter' and 'the export' or 'the target'}: {e}") from None
+    try:
+        client = make_client("vllm", url, 600.0)
+        info = client.info()
+        if name == "drafter" and info.k != k:
+            raise GateFailed(f"{export_dir / 'vllm' / 'launch.sh'} serves K = {info.k}, expected {k}")
+        config = ServerConfig(k if name == "drafter" else 0, method)
+        try:
+            unit = run_unit(client, prompts, config, 0.0, tokenizer, settings.max_new_tokens, 1, {})
+        except (DraftflowError, OSError) as e:  # a request failed: the engine died or answered an error
+            raise GateFailed(_request_failed(name, target, export_dir, e, server_log)) from None
+        return unit, str(info.version)
+    finally:
+        server.stop()
+
+
+def _target_alone_argv(python: str, target: Path, s: ExportSettings, settings: CheckSettings):
+    from draftflow.evaluation.served import VLLM_SERVER, ServerConfig, ServerSettings, server_argv
+
+    extra = _cpu_extra_args(settings)
+
+    def argv(host: str, port: int) -> list[str]:
+        alone = ServerSettings(launcher=(python, *VLLM_SERVER), host=host, port=port, extra_args=tuple(extra))
+        return server_argv("vllm", alone, target, None, ServerConfig(0), settings.trust_remote_code, s.dtype)
+
+    return argv
+
+
+def serve_target_alone(target: Path, eval_data: Path, s: ExportSettings, settings: CheckSettings, python: str,
+                       log_dir: Path, threads: int) -> dict:  # fmt: skip
+    """The target alone (no drafter) served by vLLM on the gate's prompts, greedy: the outputs every
+    method's gate compares its drafted outputs with (one launch for all methods). Fails, naming the
+    target and not an export, when vLLM cannot serve the target at all."""
+    started = time.monotonic()
+    prompts, tokenizer = _gate_prompts(target, eval_data, settings)
+    unit, version = _serve_unit("target", _target_alone_argv(python, target, s, settings), prompts, tokenizer, 0, "",
+                                settings, _server_env(python, threads), log_dir / "vllm-target.log", target, None)  # fmt: skip
+    return {"served": True, "engine": "vllm", "version": version, "prompts_digest": prompts.digest(),
+            "max_new_tokens": settings.max_new_tokens, "dtype": s.dtype,
+            "outputs": [o["tokens"] for o in unit.outputs], "seconds": time.monotonic() - started}  # fmt: skip
+
+
+def _check_target_alone(alone: dict, path: Path | None, prompts, settings: CheckSettings, s: ExportSettings) -> None:
+    """The shared target-alone outputs were decoded from these prompts, at this length and dtype."""
+    want = {"prompts_digest": prompts.digest(), "max_new_tokens": settings.max_new_tokens, "dtype": s.dtype}
+    got = {key: alone.get(key) for key in want}
+    if got != want:
+        raise DraftflowError(f"{path}: the target alone was served on other prompts or settings ({got}, this gate "
+                             f"has {want}); delete it and rerun, and Snakemake serves it again")  # fmt: skip
+
+
+def serve(export_dir: Path, drafter_dir: Path, target: Path, eval_data: Path, method: str, s: ExportSettings,
+          settings: CheckSettings, python: str, log_dir: Path, threads: int,
+          target_alone: Path | None = None) -> Served:  # fmt: skip
+    """Serve the export through its own launch.sh and compare with the target alone (read from
+    `target_alone`, `serve-target`'s output, or served here first) and with the in-process hf engine."""
     started = time.monotonic()
     prompts, tokenizer = _gate_prompts(target, eval_data, settings)
     k = read_json(drafter_dir / "config.json").get("block_size", 0) - 1 if method == "dflash" else s.num_speculative_tokens
     env = _server_env(python, threads)
-    extra = settings.extra_args if settings.extra_args is not None else (() if _has_gpus() else VLLM_CPU_ARGS)
-    host = "127.0.0.1"
-    units, weight_lines = {}, []
-    # the target alone first: when vLLM cannot serve the target itself, the export is not at fault
-    for name in ("target", "drafter"):
-        port = free_port(host)
+    alone_report = read_json(target_alone) if target_alone is not None else {"served": False}
+    if alone_report["served"]:
+        _check_target_alone(alone_report, target_alone, prompts, settings, s)
+    else:  # not served by serve_target (no vLLM there then): the target alone first, here; when vLLM
+        # cannot serve the target itself, the export is not at fault
+        alone_report = serve_target_alone(target, eval_data, s, settings, python, log_dir, threads)
+    extra = _cpu_extra_args(settings)
+
+    def drafter_argv(host: str, port: int) -> list[str]:  # exactly the export's own launch command
         # every prompt token computed by the server, as by the hf engine
-        common_args = ["--host", host, "--port", str(port), "--no-enable-prefix-caching", *extra]
-        if name == "drafter":  # exactly the export's own launch command
-            argv = ["bash", str(export_dir / "vllm" / "launch.sh"), str(target), *common_args]
-        else:
-            alone = ServerSettings(launcher=(python, *VLLM_SERVER), host=host, port=port,
-                                   extra_args=tuple(extra))  # fmt: skip
-            argv = server_argv("vllm", alone, target, None, ServerConfig(0), settings.trust_remote_code, s.dtype)
-        server_log = log_dir / f"vllm-{name}.log"
-        server_log.unlink(missing_ok=True)
-        url = f"http://{host}:{port}"
-        server = LaunchedServer(argv, url, server_log, settings.startup_timeout_s, env)
-        try:
-            server.__enter__()  # stops the server itself when it fails to start
-        except DraftflowError as e:  # vLLM refuses a checkpoint whose names do not fit at load time
-            refused = sorted(set(WEIGHT_LOG_LINES.findall(server_log.read_text(errors="replace")))) \
-                if server_log.exists() else []  # fmt: skip
-            if refused:
-                raise GateFailed(f"vLLM refused the export {export_dir / 'vllm'}: {'; '.join(refused)} (export "
-                                 "format mismatch: re-export with `draftflow export`)") from None  # fmt: skip
-            raise GateFailed(f"vLLM did not start with {name == 'drafter' and 'the export' or 'the target'}: {e}") from None
-        try:
-            client = make_client("vllm", url, 600.0)
-            info = client.info()
-            if name == "drafter" and info.k != k:
-                raise GateFailed(f"{export_dir / 'vllm' / 'launch.sh'} serves K = {info.k}, expected {k}")
-            config = ServerConfig(k if name == "drafter" else 0, method)
-            try:
-                units[name] = run_unit(client, prompts, config, 0.0, tokenizer, settings.max_new_tokens, 1, {})
-            except (DraftflowError, OSError) as e:  # a request failed: the engine died or answered an error
-                raise GateFailed(_request_failed(name, target, export_dir, e, server_log)) from None
-            version = info.version
-        finally:
-            server.stop()
-        if name == "drafter":
-            weight_lines = sorted(set(WEIGHT_LOG_LINES.findall(server_log.read_text(errors="replace"))))
+        return ["bash", str(export_dir / "vllm" / "launch.sh"), str(target), "--host", host, "--port", str(port),
+                "--no-enable-prefix-caching", *extra]  # fmt: skip
+
+    server_log = log_dir / "vllm-drafter.log"
+    unit, version = _serve_unit("drafter", drafter_argv, prompts, tokenizer, k, method, settings, env, server_log,
+                                target, export_dir)  # fmt: skip
+    weight_lines = sorted(set(WEIGHT_LOG_LINES.findall(server_log.read_text(errors="replace"))))
     stats, hf_drafted = in_process(drafter_dir, target, prompts, k, settings)
-    drafted = [o["tokens"] for o in units["drafter"].outputs]
-    alone = [o["tokens"] for o in units["target"].outputs]
-    counts = units["drafter"].counts
-    return Served("vllm", str(version), k, len(drafted), counts.tau, stats.tau, counts.verify_steps, stats.steps,
+    drafted = [o["tokens"] for o in unit.outputs]
+    alone = alone_report["outputs"]
+    counts = unit.counts
+    return Served("vllm", version, k, len(drafted), counts.tau, stats.tau, counts.verify_steps, stats.steps,
                   sum(a == b for a, b in zip(drafted, alone)), sum(a == b for a, b in zip(drafted, hf_drafted)),
                   weight_lines, time.monotonic() - started)  # fmt: skip
 
@@ -408,7 +459,7 @@ def serve(export_dir: Path, drafter_dir: Path, target: Path, eval_data: Path, me
 ENGINE_ERROR = re.compile(r"\b((?:Runtime|Value|NotImplemented|Assertion|Type)Error: .+)")
 
 
-def _request_failed(name: str, target: Path, export_dir: Path, error: Exception, server_log: Path) -> str:
+def _request_failed(name: str, target: Path, export_dir: Path | None, error: Exception, server_log: Path) -> str:
     """The gate's message when a started server fails a request: which server, whose fault, and
     the engine's own error from its log (the HTTP answer only says "EngineCore encountered an issue")."""
     from draftflow.evaluation.served import tail
@@ -451,7 +502,7 @@ def served_findings(served: Served, tolerance: float) -> list[str]:
 
 
 def run_check(export_dir: Path, drafter_dir: Path, target: Path, eval_data: Path, s: ExportSettings,
-              settings: CheckSettings, output: Path, threads: int) -> dict:  # fmt: skip
+              settings: CheckSettings, output: Path, threads: int, target_alone: Path | None = None) -> dict:  # fmt: skip
     method, static = static_check(export_dir, drafter_dir, target, s)
     report: dict = {"method": method, "check": settings.check, "static": static, "sglang_served": False,
                     "sglang_note": NOT_SERVED_SGLANG, "settings": asdict(settings)}  # fmt: skip
@@ -469,7 +520,7 @@ def run_check(export_dir: Path, drafter_dir: Path, target: Path, eval_data: Path
         log.warning("serve check: not served (%s); static check passed", reason)
     else:
         served = serve(export_dir, drafter_dir, target, eval_data, method, s, settings, python,
-                       output.parent / "serve_check_logs", threads)  # fmt: skip
+                       output.parent / "serve_check_logs", threads, target_alone)  # fmt: skip
         findings += served_findings(served, settings.tolerance)
         report["served"] = {"served": True, **asdict(served), "tolerance": settings.tolerance}
         log.info("served τ %.3f against %.3f in-process (K = %d, %d prompts, %d/%d outputs equal the target's)",
@@ -484,21 +535,49 @@ def run_check(export_dir: Path, drafter_dir: Path, target: Path, eval_data: Path
     return report
 
 
+def run_target_alone(target: Path, eval_data: Path, s: ExportSettings, settings: CheckSettings, output: Path,
+                     threads: int) -> dict:  # fmt: skip
+    """`serve-target`: the target alone's outputs for every gate, or why it was not served."""
+    python = None if settings.check == "off" else vllm_python(settings)
+    if python is None:
+        reason = "export.check is off" if settings.check == "off" else "vLLM is not installed here (make vllm-setup)"
+        report = {"served": False, "reason": reason}
+    else:
+        report = serve_target_alone(target, eval_data, s, settings, python, output.parent / "serve_check_logs",
+                                    threads)  # fmt: skip
+        log.info("the target alone served by vLLM %s: %d greedy outputs in %.0f s", report["version"],
+                 len(report["outputs"]), report["seconds"])  # fmt: skip
+    write_json(output, report)
+    return report
+
+
 def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
     from draftflow.cli import settings_arg
 
-    parser.add_argument("--export-dir", type=Path, required=True, help="results/export/<method> (sglang/, vllm/)")
-    parser.add_argument("--drafter", type=Path, required=True, help="the trained drafter folder")
     parser.add_argument("--target", type=Path, required=True, help="target model folder")
     parser.add_argument("--eval-data", type=Path, required=True, help="merged eval split: the served prompts")
     parser.add_argument("--export-settings", type=settings_arg, default={}, help="the export rule's --settings")
     parser.add_argument("--settings", type=settings_arg, default={}, help="config export.check + export.serve_check")
+    if stage == "serve-target":
+        parser.add_argument("--output", type=Path, required=True, help="target_alone.json")
+        return
+    parser.add_argument("--export-dir", type=Path, required=True, help="results/export/<method> (sglang/, vllm/)")
+    parser.add_argument("--drafter", type=Path, required=True, help="the trained drafter folder")
+    parser.add_argument("--target-alone", type=Path, default=None,
+                        help="serve-target's output (the target alone's greedy outputs); without it the gate serves "
+                             "the target alone itself")  # fmt: skip
     parser.add_argument("--output", type=Path, required=True, help="serve_check.json")
 
 
 def main(args: argparse.Namespace) -> int:
     from draftflow.threads import default_threads
 
-    run_check(args.export_dir, args.drafter, args.target, args.eval_data, ExportSettings.from_dict(args.export_settings),
-              CheckSettings.from_dict(args.settings), args.output, args.threads or default_threads())  # fmt: skip
+    threads = args.threads or default_threads()
+    s = ExportSettings.from_dict(args.export_settings)
+    settings = CheckSettings.from_dict(args.settings)
+    if args.stage == "serve-target":
+        run_target_alone(args.target, args.eval_data, s, settings, args.output, threads)
+    else:
+        run_check(args.export_dir, args.drafter, args.target, args.eval_data, s, settings, args.output, threads,
+                  args.target_alone)  # fmt: skip
     return 0
