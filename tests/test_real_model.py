@@ -243,6 +243,7 @@ def test_a_real_vllm_serves_the_smollm2_drafter_as_greedy_with_the_hf_engines_ta
     workdir = clone(hf_dir, tmp_path / "served")
     config = served_config(config, python)
     config["evaluate"]["server"]["extra_args"] = SMOLLM2_VLLM_ARGS
+    config["evaluate"]["draft_tokens"] = [3, 7]  # both, as the hf run (this run's gate does not serve)
     write_config(workdir, config)
     for key, value in VLLM_SERVER_ENV.items():
         monkeypatch.setenv(key, value)
