@@ -79,6 +79,39 @@ def test_collate_packs_rows_with_sample_ids_and_counts_no_chain_across_samples()
     assert torch.equal(step_token_counts(batch.loss_mask, 3, batch.doc), batch.step_tokens)
 
 
+def expected_rows(samples, rows, width, layers):
+    """(aux, final) of `rows` built sample by sample, padding zero: what collate must return."""
+    aux = torch.zeros(len(rows), width, len(layers) * samples[0].hidden.shape[2])
+    final = torch.zeros(len(rows), width, samples[0].hidden.shape[2])
+    for b, row in enumerate(rows):
+        start = 0
+        for i in row:
+            n = len(samples[i].input_ids)
+            aux[b, start : start + n] = samples[i].aux[:, layers].reshape(n, -1)
+            final[b, start : start + n] = samples[i].final
+            start += n
+    return aux, final
+
+
+@pytest.mark.parametrize("layers", [None, [2, 0]], ids=["every stored layer", "a subset, reordered"])
+def test_collate_in_a_worker_process_writes_what_it_writes_in_process(layers):
+    """The batch tensors are allocated uninitialised (in shared memory in a DataLoader worker) and
+    written once: every token and layer in place, padding and added rows zero, in both places."""
+    from functools import partial
+
+    rng = np.random.default_rng(5)
+    samples = [fake_sample(rng, n) for n in (5, 3, 6, 1)]
+    rows, pad_to = [[0, 1], [2, 3]], (3, 9)  # a third, empty row and a token of padding: packing's shape
+    collate_fn = partial(collate, ttt_steps=3, rows=rows, layers=layers, pad_to=pad_to)
+    loader = torch.utils.data.DataLoader(samples, batch_size=4, collate_fn=collate_fn, num_workers=1)
+    in_worker = next(iter(loader))
+    in_process = collate_fn(samples)
+    aux, final = expected_rows(samples, rows + [[]], 9, layers or [0, 1, 2])
+    for batch in (in_worker, in_process):
+        assert torch.equal(batch.aux, aux) and torch.equal(batch.final, final)
+        assert batch.doc.tolist()[2] == [-1] * 9 and batch.tokens == 15
+
+
 def test_a_bad_read_leaves_its_row_and_an_empty_row_goes():
     from draftflow.hidden_states.storage import BadRead
 

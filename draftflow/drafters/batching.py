@@ -7,6 +7,7 @@ DataLoader: `SampleDataset`, `collate_rows`) and evaluation, which does not depe
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,10 +106,14 @@ def collate(
     if pad_to is not None:
         B, T = max(B, pad_to[0]), max(T, pad_to[1])
     layers = list(range(L - 1)) if layers is None else list(layers)
+    every_layer = layers == list(range(L - 1))
     ids = torch.zeros(B, T, dtype=torch.int64)
     mask = torch.zeros(B, T, dtype=torch.bool)
-    aux = torch.zeros(B, T, len(layers) * H, dtype=dtype)
-    final = torch.zeros(B, T, H, dtype=dtype)
+    # the two large tensors are written once: no zero fill first (only padding is zeroed), and in
+    # a DataLoader worker they live in shared memory from the start
+    shared = torch.utils.data.get_worker_info() is not None
+    aux = _batch_tensor((B, T, len(layers) * H), dtype, shared)
+    final = _batch_tensor((B, T, H), dtype, shared)
     doc = torch.full((B, T), -1, dtype=torch.int64)
     for b, row in enumerate(rows):
         start = 0
@@ -117,11 +122,19 @@ def collate(
             span = slice(start, start + n)
             ids[b, span] = torch.from_numpy(s.input_ids)
             mask[b, span] = torch.from_numpy(s.loss_mask.astype(bool))
-            sample_aux = s.aux if layers == list(range(L - 1)) else s.aux[:, layers]
-            aux[b, span] = sample_aux.reshape(n, -1)
+            into = aux[b, span].view(n, len(layers), H)  # s.aux: [n, L - 1, H], a view of s.hidden
+            if every_layer:
+                into.copy_(s.aux)
+            else:
+                for j, layer in enumerate(layers):
+                    into[:, j] = s.aux[:, layer]
             final[b, span] = s.final
             doc[b, span] = d
             start += n
+        aux[b, start:] = 0
+        final[b, start:] = 0
+    aux[len(rows) :] = 0  # rows added by pad_to, or the one empty row of an all-bad batch
+    final[len(rows) :] = 0
     tokens = int(sum(s.input_ids.shape[0] for s in samples))
     if anchors is None:
         # rows of one sample each need no sample masks: attention keeps its plain causal kernel
@@ -136,6 +149,17 @@ def collate(
     chosen = pad_anchors([choose_anchors(s.loss_mask, anchors.per_sample, rng) for s in samples] or [np.zeros(0)])
     counts = block_label_counts(mask, chosen, anchors.block_size)
     return Batch(ids, mask, aux, final, counts, tokens, bad, chosen)
+
+
+def _batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
+    """An uninitialised tensor; `shared`: in shared memory, as torch's default_collate allocates
+    in a worker, so that handing the batch to the training process copies nothing (otherwise
+    the DataLoader moves it there: one more copy of every batch, ~400 MB for DFlash at 8B)."""
+    if not shared:
+        return torch.empty(shape, dtype=dtype)
+    numel = math.prod(shape)
+    proto = torch.empty(0, dtype=dtype)
+    return proto.new(proto._typed_storage()._new_shared(numel, device=proto.device)).view(shape)
 
 
 class SampleDataset(torch.utils.data.Dataset):
