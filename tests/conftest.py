@@ -153,6 +153,7 @@ def default_run(tmp_path_factory) -> DefaultRun:
     workdir = copy_workflow(tmp_path_factory.mktemp("default-run") / "wf")
     config = small_config()
     config["train"]["methods"] = ["eagle3", "dflash"]  # what config/two-methods.yaml adds to the default
+    config["merge"]["samples_per_range"] = 32  # 2 train ranges + 1 eval (each extract job: ~8 s of start-up)
     # The gate's four servers as the tests' own (~10 s less each); test_serve_check serves with
     # the gate's default CPU arguments.
     config.setdefault("export", {})["serve_check"] = {"extra_args": VLLM_SERVER_ARGS}

@@ -189,12 +189,15 @@ def test_vllm_served_catches_a_zeroed_lm_head(default_run, tmp_path):
 
     zeroed = broken_copy(workdir, "eagle3", tmp_path / "zeroed")
     edit_tensors(zeroed / "vllm", lambda t: t.update({"lm_head.weight": torch.zeros_like(t["lm_head.weight"])}))
+    # compared with the run's own target-alone outputs (serve_target): one launch, the drafter's
     served = serve(zeroed, results / "drafter" / "eagle3", results / "target", results / "merged" / "eval.jsonl",
-                   "eagle3", s, settings, python, tmp_path / "logs-zeroed", 2)  # fmt: skip
+                   "eagle3", s, settings, python, tmp_path / "logs-zeroed", 2,
+                   results / "export" / "target_alone.json")  # fmt: skip
     findings = served_findings(served, settings.tolerance)
     assert served.outputs_equal_target == served.prompts  # lossless still: only τ shows it
     assert served.tau_served < 1.2 < served.tau_in_process, served
     assert any("served τ" in f and "in-process" in f for f in findings), findings
+    assert not (tmp_path / "logs-zeroed" / "vllm-target.log").exists()
 
 
 def test_a_target_vllm_cannot_run_is_named_as_such_not_blamed_on_the_export(default_run, tmp_path):
