@@ -343,10 +343,8 @@ def _server_env(python: str, threads: int) -> dict[str, str]:
     return env
 
 
-TARGET_ALONE = "target_alone.json"  # results/export/: the target alone's greedy outputs, shared by every gate
-
-
-def _cpu_extra_args(settings: CheckSettings) -> tuple[str, ...]:
+def _server_extra_args(settings: CheckSettings) -> tuple[str, ...]:
+    """export.serve_check.extra_args, else VLLM_CPU_ARGS on a host without GPUs."""
     return settings.extra_args if settings.extra_args is not None else (() if _has_gpus() else VLLM_CPU_ARGS)
 
 
@@ -388,7 +386,7 @@ def _serve_unit(name: str, argv_for_port, prompts, tokenizer, k: int, method: st
 def _target_alone_argv(python: str, target: Path, s: ExportSettings, settings: CheckSettings):
     from draftflow.evaluation.served import VLLM_SERVER, ServerConfig, ServerSettings, server_argv
 
-    extra = _cpu_extra_args(settings)
+    extra = _server_extra_args(settings)
 
     def argv(host: str, port: int) -> list[str]:
         alone = ServerSettings(launcher=(python, *VLLM_SERVER), host=host, port=port, extra_args=tuple(extra))
@@ -435,7 +433,7 @@ def serve(export_dir: Path, drafter_dir: Path, target: Path, eval_data: Path, me
     else:  # not served by serve_target (no vLLM there then): the target alone first, here; when vLLM
         # cannot serve the target itself, the export is not at fault
         alone_report = serve_target_alone(target, eval_data, s, settings, python, log_dir, threads)
-    extra = _cpu_extra_args(settings)
+    extra = _server_extra_args(settings)
 
     def drafter_argv(host: str, port: int) -> list[str]:  # exactly the export's own launch command
         # every prompt token computed by the server, as by the hf engine
