@@ -396,13 +396,6 @@ def serve_check_gpus() -> int:
 TARGET_ALONE = f"{RESULTS}/export/target_alone.json"
 
 
-def target_alone_input() -> list:
-    """serve_target's output (one target-alone server for every method) wherever the gate runs:
-    where no vLLM is found it says so in a second, and the DAG does not change with the machine.
-    """
-    return [] if config["export"]["check"] == "off" else [TARGET_ALONE]
-
-
 def serve_check_settings() -> tuple[dict, Operational]:
     """The gate's settings: what it checks (reruns it when changed), and how it serves (never)."""
     s = config["export"]["serve_check"]

@@ -106,8 +106,8 @@ rule serve_check:
         drafter=f"{RESULTS}/drafter/{{method}}",
         target=target_input(),
         eval_data=f"{RESULTS}/merged/eval.jsonl",
-        # the target alone, served once for every method's gate
-        target_alone=target_alone_input(),
+        # the target alone, served once for every method's gate (or why not: no vLLM found)
+        target_alone=TARGET_ALONE,
     output:
         f"{RESULTS}/export/{{method}}/serve_check.json",
     log:
@@ -127,13 +127,10 @@ rule serve_check:
         target_identity=lambda w: target_identity(),
         target=lambda w: Operational(target_dir()),
         export_dir=lambda w, input: os.path.dirname(input.export),
-        target_alone=lambda w, input: (
-            f"--target-alone {input.target_alone}" if input.target_alone else ""
-        ),
     shell:
         "draftflow --threads {threads} serve-check --export-dir {params.export_dir} --drafter {input.drafter}"
         " --target {params.target} --eval-data {input.eval_data} --export-settings {params.export_settings:q}"
-        " --settings {params.settings:q} --runtime {params.runtime:q} {params.target_alone}"
+        " --settings {params.settings:q} --runtime {params.runtime:q} --target-alone {input.target_alone}"
         " --output {output} > {log} 2>&1"
 
 

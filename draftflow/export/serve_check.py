@@ -395,13 +395,12 @@ def _target_alone_argv(python: str, target: Path, s: ExportSettings, settings: C
     return argv
 
 
-def serve_target_alone(target: Path, eval_data: Path, s: ExportSettings, settings: CheckSettings, python: str,
+def serve_target_alone(target: Path, prompts, tokenizer, s: ExportSettings, settings: CheckSettings, python: str,
                        log_dir: Path, threads: int) -> dict:  # fmt: skip
     """The target alone (no drafter) served by vLLM on the gate's prompts, greedy: the outputs every
     method's gate compares its drafted outputs with (one launch for all methods). Fails, naming the
     target and not an export, when vLLM cannot serve the target at all."""
     started = time.monotonic()
-    prompts, tokenizer = _gate_prompts(target, eval_data, settings)
     unit, version = _serve_unit("target", _target_alone_argv(python, target, s, settings), prompts, tokenizer, 0, "",
                                 settings, _server_env(python, threads), log_dir / "vllm-target.log", target, None)  # fmt: skip
     return {"served": True, "engine": "vllm", "version": version, "prompts_digest": prompts.digest(),
@@ -409,7 +408,7 @@ def serve_target_alone(target: Path, eval_data: Path, s: ExportSettings, setting
             "outputs": [o["tokens"] for o in unit.outputs], "seconds": time.monotonic() - started}  # fmt: skip
 
 
-def _check_target_alone(alone: dict, path: Path | None, prompts, settings: CheckSettings, s: ExportSettings) -> None:
+def _check_target_alone(alone: dict, path: Path, prompts, settings: CheckSettings, s: ExportSettings) -> None:
     """The shared target-alone outputs were decoded from these prompts, at this length and dtype."""
     want = {"prompts_digest": prompts.digest(), "max_new_tokens": settings.max_new_tokens, "dtype": s.dtype}
     got = {key: alone.get(key) for key in want}
@@ -432,7 +431,7 @@ def serve(export_dir: Path, drafter_dir: Path, target: Path, eval_data: Path, me
         _check_target_alone(alone_report, target_alone, prompts, settings, s)
     else:  # not served by serve_target (no vLLM there then): the target alone first, here; when vLLM
         # cannot serve the target itself, the export is not at fault
-        alone_report = serve_target_alone(target, eval_data, s, settings, python, log_dir, threads)
+        alone_report = serve_target_alone(target, prompts, tokenizer, s, settings, python, log_dir, threads)
     extra = _server_extra_args(settings)
 
     def drafter_argv(host: str, port: int) -> list[str]:  # exactly the export's own launch command
@@ -541,8 +540,9 @@ def run_target_alone(target: Path, eval_data: Path, s: ExportSettings, settings:
         reason = "export.check is off" if settings.check == "off" else "vLLM is not installed here (make vllm-setup)"
         report = {"served": False, "reason": reason}
     else:
-        report = serve_target_alone(target, eval_data, s, settings, python, output.parent / "serve_check_logs",
-                                    threads)  # fmt: skip
+        prompts, tokenizer = _gate_prompts(target, eval_data, settings)
+        report = serve_target_alone(target, prompts, tokenizer, s, settings, python,
+                                    output.parent / "serve_check_logs", threads)  # fmt: skip
         log.info("the target alone served by vLLM %s: %d greedy outputs in %.0f s", report["version"],
                  len(report["outputs"]), report["seconds"])  # fmt: skip
     write_json(output, report)
