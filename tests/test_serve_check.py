@@ -1,8 +1,9 @@
 """The export gate (`draftflow serve-check`, rule serve_check): it passes the default run's good
 exports, reports served τ against in-process τ, and fails, naming the cause, on each broken export:
 aux ids shifted by one, d2t offsets wrong, a zeroed fc, the wrong norm_output, a dtype the engine
-refuses. A broken export fails the workflow itself; the served part catches a zeroed draft LM
-head (a real vLLM, its CPU build).
+refuses. Each of them fails the workflow itself. The served part, alone, catches what only serving
+shows (a real vLLM, its CPU build): a zeroed draft LM head, and aux ids shifted by one on a target
+whose neighbouring layers differ.
 """
 
 from __future__ import annotations
@@ -154,21 +155,26 @@ def test_the_gate_passes_an_untouched_copy(default_run, tmp_path):
     assert report["ok"] and report["served"] == {"served": False, "reason": "export.check is off"}
 
 
-@pytest.mark.parametrize("edit", [shift_ids, zero_fc], ids=["aux ids shifted", "zeroed fc"])
-def test_a_broken_export_fails_the_workflow(default_run, tmp_path, edit):
+# each BREAKS case on the vLLM export, as `make run` meets it
+WORKFLOW_BREAKS = [b for b in BREAKS if b[1] == "vllm"]
+
+
+@pytest.mark.parametrize("name, engine, config_edit, tensor_edit, message", WORKFLOW_BREAKS,
+                         ids=[b[0] for b in WORKFLOW_BREAKS])  # fmt: skip
+def test_a_broken_export_fails_the_workflow(default_run, tmp_path, name, engine, config_edit, tensor_edit, message):
     workdir = clone(default_run.workdir, tmp_path / "wf")
-    folder = workdir / "results" / "export" / "eagle3" / "vllm"
-    if edit is shift_ids:
-        edit_config(folder, edit)
-    else:
-        edit_tensors(folder, edit)
+    folder = workdir / "results" / "export" / "eagle3" / engine
+    if config_edit:
+        edit_config(folder, config_edit)
+    if tensor_edit:
+        edit_tensors(folder, tensor_edit)
     (workdir / "results" / "export" / "eagle3" / "serve_check.json").unlink()
     proc = snakemake(workdir, CONFIG, check=False)
     assert proc.returncode != 0
     log = (workdir / "results" / "logs" / "serve_check" / "eagle3.log").read_text()
-    assert "would not serve the trained drafter" in log, log[-3000:]
-    assert ("do not match the ids" if edit is shift_ids else "fc.weight is all zeros") in log
+    assert "would not serve the trained drafter" in log and message in log, log[-3000:]
     assert not (workdir / "results" / "export" / "eagle3" / "serve_check.json").exists()
+    assert (workdir / "results" / "export" / "eagle3" / "export.json").is_file()  # nothing done is lost
 
 
 def test_off_leaves_the_gate_out(default_run):
@@ -176,9 +182,29 @@ def test_off_leaves_the_gate_out(default_run):
     assert "serve_check" not in proc.stdout + proc.stderr
 
 
-def test_vllm_served_catches_a_zeroed_lm_head(default_run, tmp_path):
-    """The served part alone (static part bypassed), through a real vLLM: a zeroed draft LM head
-    serves, but τ falls far below the in-process τ of the trained drafter. (A zeroed fc does not
+def zero_lm_head(folder: Path) -> None:
+    edit_tensors(folder, lambda t: t.update({"lm_head.weight": torch.zeros_like(t["lm_head.weight"])}))
+
+
+def shift_served_ids(folder: Path) -> None:
+    edit_config(folder, shift_ids)
+
+
+# What serving alone must catch, with the static part bypassed: a weight the engine does not apply
+# (a zeroed draft LM head), and aux ids that select other layers than those trained on (vLLM #43671:
+# what an engine release that counts layers differently does to a correct export). The shrunk
+# default's 20-step target is one whose neighbouring layers differ: a one-layer shift took its
+# served τ to 1.00 against the hf engine's 3.75 at K = 3 (BENCHMARKS.md, "A real vLLM serving our
+# exports"); on the full embedded default it would not show (2.13 against 2.15, README).
+SERVED_BREAKS = [("zeroed draft LM head", zero_lm_head), ("aux ids shifted by one", shift_served_ids)]
+
+
+@pytest.mark.parametrize("name, edit", SERVED_BREAKS, ids=[b[0] for b in SERVED_BREAKS])
+def test_vllm_served_catches_what_only_serving_shows(default_run, tmp_path, name, edit):
+    """The served part alone, through a real vLLM: the broken export loads, serves, and still
+    decodes every greedy output unchanged (speculative decoding is lossless), so nothing but τ
+    shows it. The served τ falls far below the in-process τ of the trained drafter and the gate's
+    finding names the likely causes. Without the gate the export would ship. (A zeroed fc does not
     show in served τ here: the toy's drafter still drafts from the token embeddings, 3.76 against
     3.875 in-process, measured; the static part catches it.)"""
     python = str(vllm_python())
@@ -187,17 +213,18 @@ def test_vllm_served_catches_a_zeroed_lm_head(default_run, tmp_path):
     settings = CheckSettings.from_dict({"check": "vllm", "python": python})
     s = export_settings(workdir, "eagle3")
 
-    zeroed = broken_copy(workdir, "eagle3", tmp_path / "zeroed")
-    edit_tensors(zeroed / "vllm", lambda t: t.update({"lm_head.weight": torch.zeros_like(t["lm_head.weight"])}))
+    broken = broken_copy(workdir, "eagle3", tmp_path / "broken")
+    edit(broken / "vllm")
     # compared with the run's own target-alone outputs (serve_target): one launch, the drafter's
-    served = serve(zeroed, results / "drafter" / "eagle3", results / "target", results / "merged" / "eval.jsonl",
-                   "eagle3", s, settings, python, tmp_path / "logs-zeroed", 2,
+    served = serve(broken, results / "drafter" / "eagle3", results / "target", results / "merged" / "eval.jsonl",
+                   "eagle3", s, settings, python, tmp_path / "logs", 2,
                    results / "export" / "target_alone.json")  # fmt: skip
     findings = served_findings(served, settings.tolerance)
     assert served.outputs_equal_target == served.prompts  # lossless still: only τ shows it
-    assert served.tau_served < 1.2 < served.tau_in_process, served
-    assert any("served τ" in f and "in-process" in f for f in findings), findings
-    assert not (tmp_path / "logs-zeroed" / "vllm-target.log").exists()
+    assert served.weight_log_lines == []  # vLLM loaded every weight: its log does not show it either
+    assert served.tau_served < 1.2 < 1.5 < served.tau_in_process, served
+    assert [f for f in findings if "served τ" in f and "in-process" in f and "aux ids" in f], findings
+    assert not (tmp_path / "logs" / "vllm-target.log").exists()
 
 
 def test_a_target_vllm_cannot_run_is_named_as_such_not_blamed_on_the_export(default_run, tmp_path):
