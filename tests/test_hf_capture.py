@@ -90,7 +90,8 @@ def test_stored_layers_follow_the_convention(target, tmp_path, dtype_name):
                 "store_root": str(store.root), "num_layers_captured": 4, "hidden_size": 64})  # fmt: skip
     _, entries = read_range_index(tmp_path / "rows_0-3")
 
-    ref = Reference(target, dtype)
+    # On the CPU the engine computes in float32 and stores each state rounded to `dtype`
+    ref = Reference(target, torch.float32)
     for record, entry in zip(records, entries):
         sample = decode_sample(store.get(entry.key), check=True)
         assert sample.hidden.dtype == dtype and sample.hidden.shape == (len(record.input_ids), 4, 64)
@@ -98,15 +99,16 @@ def test_stored_layers_follow_the_convention(target, tmp_path, dtype_name):
         out, layer_out = ref.run(record.input_ids)
         for slot, i in enumerate(AUX):
             # aux id i == HF output_hidden_states[i + 1] == output of decoder layer i (hook)
-            assert torch.equal(sample.hidden[:, slot], out.hidden_states[i + 1][0])
-            assert torch.equal(sample.hidden[:, slot], layer_out[i])
-            assert not torch.equal(sample.hidden[:, slot], out.hidden_states[i][0])  # not off by one
+            assert torch.equal(sample.hidden[:, slot], out.hidden_states[i + 1][0].to(dtype))
+            assert torch.equal(sample.hidden[:, slot], layer_out[i].to(dtype))
+            assert not torch.equal(sample.hidden[:, slot], out.hidden_states[i][0].to(dtype))  # not off by one
         final = sample.hidden[:, -1]
         # final == norm(last layer output), computed independently; == what lm_head reads
-        assert torch.equal(final, ref.model.model.norm(layer_out[NUM_LAYERS - 1]))
-        assert torch.equal(final, out.hidden_states[-1][0])
-        assert torch.equal(ref.model.lm_head(final), out.logits[0])
-        assert not torch.equal(final, layer_out[NUM_LAYERS - 1])  # post-norm, not pre-norm
+        assert torch.equal(final, ref.model.model.norm(layer_out[NUM_LAYERS - 1]).to(dtype))
+        assert torch.equal(final, out.hidden_states[-1][0].to(dtype))
+        with torch.inference_mode():  # out's tensors are inference tensors
+            assert torch.equal(ref.model.lm_head(out.hidden_states[-1][0]), out.logits[0])
+        assert not torch.equal(final, layer_out[NUM_LAYERS - 1].to(dtype))  # post-norm, not pre-norm
     engine.close()
 
 

@@ -114,22 +114,25 @@ def test_hf_extraction_equals_a_transformers_forward_at_every_aux_layer_and_the_
     engine.close()
     _, entries = read_range_index(tmp_path / "rows")
 
-    ref = Reference(converted, torch.bfloat16)  # an independent transformers forward with layer hooks
+    # an independent transformers forward with layer hooks; on the CPU the engine computes in
+    # float32 and stores each state rounded to bf16 (extract.dtype)
+    ref = Reference(converted, torch.float32)
+    bf16 = torch.bfloat16
     for record, entry in zip(records, entries):
         sample = decode_sample(store.get(entry.key), check=True)
-        assert sample.hidden.shape == (len(record.input_ids), 4, 576) and sample.hidden.dtype == torch.bfloat16
+        assert sample.hidden.shape == (len(record.input_ids), 4, 576) and sample.hidden.dtype == bf16
         out, layer_out = ref.run(record.input_ids)
         for slot, i in enumerate(aux):
-            assert torch.equal(sample.hidden[:, slot], layer_out[i])
+            assert torch.equal(sample.hidden[:, slot], layer_out[i].to(bf16))
             if i < NUM_LAYERS - 1:
-                assert torch.equal(sample.hidden[:, slot], out.hidden_states[i + 1][0])
+                assert torch.equal(sample.hidden[:, slot], out.hidden_states[i + 1][0].to(bf16))
             # on a real model, neighbouring layers differ: an off-by-one id would be visible
-            neighbour = out.hidden_states[i][0].float()
+            neighbour = out.hidden_states[i][0]
             cosine = torch.nn.functional.cosine_similarity(sample.hidden[:, slot].float(), neighbour, dim=-1)
             assert cosine.mean() < 0.99
-        assert not torch.equal(sample.hidden[:, 2], out.hidden_states[NUM_LAYERS][0])  # HF's index N is normed
-        assert torch.equal(sample.hidden[:, -1], out.hidden_states[NUM_LAYERS][0])  # the final state
-        assert torch.equal(sample.hidden[:, -1], ref.model.model.norm(layer_out[NUM_LAYERS - 1]))
+        assert not torch.equal(sample.hidden[:, 2], out.hidden_states[NUM_LAYERS][0].to(bf16))  # HF's index N is normed
+        assert torch.equal(sample.hidden[:, -1], out.hidden_states[NUM_LAYERS][0].to(bf16))  # the final state
+        assert torch.equal(sample.hidden[:, -1], ref.model.model.norm(layer_out[NUM_LAYERS - 1]).to(bf16))
 
 
 def sharegpt_settings(real: Path, on_error: str) -> PrepareSettings:
