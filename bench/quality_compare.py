@@ -141,7 +141,8 @@ def train_ours(inp: Inputs, work: Path, seed: int, a) -> dict:
     out = work / "drafter"
     settings = {**inp.train, "aux_layer_ids": inp.aux, "seed": seed, "gpus": 1 if a.device == "cuda" else 0,
                 "num_workers": 0 if a.device == "cpu" else inp.train.get("num_workers", 2)}  # fmt: skip
-    shutil.rmtree(work / "state", ignore_errors=True)
+    if not a.resume:  # --resume: a killed run goes on from its last checkpoint (train.save_every_steps)
+        shutil.rmtree(work / "state", ignore_errors=True)
     seconds = run(
         draftflow_cmd(
             "train", "--train-ranges", *map(str, inp.train_ranges), "--eval-ranges", *map(str, inp.eval_ranges),
@@ -173,8 +174,11 @@ def prepare_speculators_data(inp: Inputs, work: Path, a) -> tuple[Path, int]:
                           "--output", str(data), "--target", str(inp.target)),
             work / "convert.log", child_env(a.threads))  # fmt: skip
     vocab = load_vocab(inp.vocab)
-    np.save(data / f"d2t-{vocab.size}.npy", vocab.d2t.astype(np.int64))
-    np.save(data / f"t2d-{vocab.size}.npy", vocab.t2d.astype(bool))
+    for name, array in ((f"d2t-{vocab.size}.npy", vocab.d2t.astype(np.int64)), (f"t2d-{vocab.size}.npy", vocab.t2d.astype(bool))):
+        # each seed's process writes them (several side by side): a whole file or none, never a half one
+        tmp = data / f".{name}.{os.getpid()}.npy"
+        np.save(tmp, array)
+        os.replace(tmp, data / name)
     samples = len(json.loads((data / SIDECAR).read_text())["samples"])
     return data, samples
 
@@ -214,9 +218,10 @@ def speculators_argv(inp: Inputs, data: Path, samples: int, save: Path, seed: in
         "--scheduler-type", SCHEDULES[t["schedule"]],
         "--scheduler-warmup-ratio", str(t["warmup_ratio"]),
         "--epochs", str(int(t["epochs"])),
-        "--checkpoint-freq", "1",
+        # --resume: a checkpoint every tenth of an epoch, which its trainer resumes mid-epoch
+        "--checkpoint-freq", "0.1" if a.resume else "1",
         "--log-freq", "10",
-        "--no-resume-from-checkpoint",
+        *([] if a.resume else ["--no-resume-from-checkpoint"]),
         "--seed", str(seed),
         "--hidden-states-dtype", "bfloat16" if cuda else "float32",
     ]  # fmt: skip
@@ -229,7 +234,8 @@ def speculators_argv(inp: Inputs, data: Path, samples: int, save: Path, seed: in
 
 def train_speculators(inp: Inputs, work: Path, seed: int, data: Path, samples: int, a) -> dict:
     save = work / "run"
-    shutil.rmtree(save, ignore_errors=True)
+    if not a.resume:
+        shutil.rmtree(save, ignore_errors=True)
     argv = speculators_argv(inp, data, samples, save, seed, a)
     # its CLI as released needs a GPU; on the CPU a launcher points its three device assumptions there
     entry = ["-m", "speculators.train"] if a.device == "cuda" else [str(REPO / "bench" / "speculators_cpu_train.py")]
@@ -239,7 +245,11 @@ def train_speculators(inp: Inputs, work: Path, seed: int, data: Path, samples: i
     seconds = run([a.spec_python, *entry, *argv], work / "train.log", env)
     out = work / "drafter"
     shutil.rmtree(out, ignore_errors=True)
-    run(draftflow_cmd("import-drafter", "--from", "speculators", "--input", str(save), "--target", str(inp.target),
+    # the last epoch, as ours ends: `checkpoint_best` (what a bare save folder imports) is chosen on a
+    # one-sample validation split here
+    last = max((p for p in save.iterdir() if p.name.isdigit() and (p / "config.json").is_file()),
+               key=lambda p: int(p.name))  # fmt: skip
+    run(draftflow_cmd("import-drafter", "--from", "speculators", "--input", str(last), "--target", str(inp.target),
                       "--output", str(out)), work / "import.log", child_env(a.threads))  # fmt: skip
     return {"drafter": out, "train_seconds": seconds, "speculators_argv": argv,
             "train_tokens_per_epoch_approx": samples}  # fmt: skip
@@ -334,6 +344,10 @@ def main(argv=None) -> int:
     p.add_argument("--eval-only", action="store_true",
                    help="evaluate the drafters an earlier run trained in --work (same trainers, label, seeds) again, "
                    "e.g. with other --set evaluate.KEY=VALUE")  # fmt: skip
+    p.add_argument("--resume", action="store_true",
+                   help="go on from what an earlier, killed run of the same command left in --work: a trained "
+                   "drafter is kept, a killed training resumes from its last checkpoint (ours: "
+                   "train.save_every_steps; speculators: every tenth of an epoch)")  # fmt: skip
     p.add_argument("--output", type=Path, help="also append the JSON line to this file")
     a = p.parse_args(argv)
     inp = Inputs(a)
@@ -348,13 +362,14 @@ def main(argv=None) -> int:
             tag = f"{trainer}{'-' + a.spec_recipe if trainer == 'speculators' else ''}-{a.label or 'default'}-s{seed}"
             work = a.work / tag
             log.info("training %s", tag)
-            if a.eval_only:
+            reused = a.eval_only or (a.resume and (work / "train_info.json").is_file())
+            if reused:
                 info = reuse_trained(work, trainer)
             elif trainer == "ours":
                 info = train_ours(inp, work, seed, a)
             else:
                 info = train_speculators(inp, work, seed, data, samples, a)
-            if not a.eval_only:
+            if not reused:
                 (work / "train_info.json").write_text(json.dumps({k: v for k, v in info.items() if k != "settings"},
                                                                  default=str))  # fmt: skip
             log.info("evaluating %s (trained in %s s)", tag, info["train_seconds"])

@@ -6,6 +6,7 @@
     ppl      the target's perplexity on the merged eval split's loss tokens, per dataset
     heldout  the target's perplexity on ShareGPT answers that the example config never trains on
     neighbours  mean cosine of each aux layer's output with its neighbours' (MT-bench prompts)
+    evalqueue  evaluate each drafter as soon as its training has finished, most wanted figures first
     collect  every figure of a call's work folder into one JSON (figures.json)
     table    markdown rows from one or more figures.json
 """
@@ -167,6 +168,8 @@ def collect(a) -> None:
             figures[str(path.relative_to(w))] = {k: report.get(k) for k in (
                 "simulated_acceptance_length", "tau", "step_alpha", "train_tokens", "steps", "tokens_per_s",
                 "train_seconds", "loss")}
+    for path in sorted((w / "evals").glob("*/*/figures.json")):  # each evaluation's seconds
+        figures[str(path.relative_to(w))] = {"seconds": json.loads(path.read_text()).get("seconds")}
     for path in sorted(w.rglob("train_info.json")):
         figures[str(path.relative_to(w))] = json.loads(path.read_text())
     for name in ("manifest.json", "data_config.json", "ppl.json", "conversion.json"):
@@ -174,6 +177,74 @@ def collect(a) -> None:
             if "state" not in path.parts and "store" not in path.parts:
                 figures[str(path.relative_to(w))] = json.loads(path.read_text())
     (a.out / "figures.json").write_text(json.dumps(figures, indent=1, default=str))
+
+
+# ---------------------------------------------------------------- evaluation queue
+
+# most wanted first: the done-when's cells (K = 7 on MT-bench and GSM8K at both temperatures), then HumanEval
+EVAL_ORDER = [("mtbench", 0), ("gsm8k", 0), ("mtbench", 1), ("gsm8k", 1), ("humaneval", 0), ("humaneval", 1)]
+
+
+def trained_drafters(w: Path) -> dict[str, Path]:
+    """label -> drafter folder, for every drafter whose training has finished (the workflow's
+    DFlash, and bench/quality_compare.py's `<trainer>-…-s<seed>` folders once train_info.json is written)."""
+    found = {}
+    dflash = w / "results" / "drafter" / "dflash"
+    if (dflash / "config.json").is_file() and (dflash / "eval.json").is_file():
+        found["dflash-s0"] = dflash
+    for info in sorted((w / "qc").glob("*-s*/train_info.json")):
+        folder = info.parent
+        trainer = folder.name.split("-", 1)[0]
+        if (folder / "drafter" / "config.json").is_file():
+            found[f"{trainer}-s{folder.name.rsplit('-s', 1)[1]}"] = folder / "drafter"
+    return found
+
+
+def evalqueue(a) -> None:
+    """Run `bench/real_target.py evaluate` (one drafter, one prompt set, one temperature) for every
+    trained drafter, at most --jobs at a time (--jobs-training while the flag file exists), until
+    nothing is left and training has ended, or until --seconds: then the running ones are killed.
+    A job whose acceptance.json exists is done (a later call skips it)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    w = a.work
+    end = time.monotonic() + a.seconds
+    running: dict[tuple, subprocess.Popen] = {}
+    done: set[tuple] = set()
+
+    def pending() -> list[tuple]:
+        drafters = trained_drafters(w)
+        jobs = [(label, ps, t) for ps, t in EVAL_ORDER if ps in a.sets and t in a.temps for label in drafters]
+        return [(j, drafters[j[0]]) for j in jobs if j not in done and j not in running
+                and not (w / "evals" / j[0] / f"{j[1]}-T{j[2]}" / "acceptance.json").is_file()]
+
+    while time.monotonic() < end:
+        for job, proc in list(running.items()):
+            if proc.poll() is not None:
+                del running[job]
+                done.add(job)
+                print(f"[evalqueue] {'/'.join(map(str, job))}: exit {proc.returncode}", file=sys.stderr, flush=True)
+        training = a.training_flag is not None and a.training_flag.exists()
+        limit = a.jobs_training if training else a.jobs
+        todo = pending()
+        for job, drafter in todo[: max(0, limit - len(running))]:
+            label, ps, t = job
+            out = w / "evals" / label / f"{ps}-T{t}"
+            with open(w / f"eval-{label}-{ps}-{t}.log", "w") as log:
+                running[job] = subprocess.Popen(
+                    [sys.executable, str(REPO / "bench" / "real_target.py"), "evaluate", "--results", str(w / "results"),
+                     "--config", str(w / "config.yaml"), "--drafter", str(drafter), "--prompt-set", ps,
+                     "--temperature", str(t), "--device", a.device, "--threads", "1", "--out", str(out)],
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        if not running and not todo and not training:
+            return
+        time.sleep(3)
+    for proc in running.values():  # the deadline: what is still running is lost, what finished is kept
+        os.killpg(proc.pid, signal.SIGKILL)
+    print(f"[evalqueue] deadline: killed {len(running)} running evaluations", file=sys.stderr, flush=True)
 
 
 def drafter_label(path: str) -> str:
@@ -233,13 +304,23 @@ def main(argv=None) -> int:
     n.add_argument("--questions", type=Path, default=REPO / "real" / "data" / "mtbench_question.jsonl")
     n.add_argument("--aux", type=int, nargs="+", default=[1, 14, 26])
     n.add_argument("--prompts", type=int, default=8)
+    e = sub.add_parser("evalqueue")
+    e.add_argument("--work", type=Path, required=True)
+    e.add_argument("--seconds", type=float, required=True, help="kill what still runs after this long")
+    e.add_argument("--jobs", type=int, default=14)
+    e.add_argument("--jobs-training", type=int, default=4, help="at most this many while --training-flag exists")
+    e.add_argument("--training-flag", type=Path)
+    e.add_argument("--sets", nargs="+", default=["mtbench", "gsm8k", "humaneval"])
+    e.add_argument("--temps", nargs="+", type=int, default=[0, 1])
+    e.add_argument("--device", default="cuda")
     o = sub.add_parser("collect")
     o.add_argument("--work", type=Path, required=True)
     o.add_argument("--out", type=Path, required=True)
     t = sub.add_parser("table")
     t.add_argument("figures", nargs="+")
     a = p.parse_args(argv)
-    {"configs": configs, "ppl": ppl, "heldout": heldout, "neighbours": neighbours, "collect": collect, "table": table}[a.cmd](a)
+    {"configs": configs, "ppl": ppl, "heldout": heldout, "neighbours": neighbours, "collect": collect, "table": table,
+     "evalqueue": evalqueue}[a.cmd](a)
     return 0
 
 

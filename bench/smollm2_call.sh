@@ -13,6 +13,11 @@
 #          each, side by side; NO_SPECULATORS=1 trains ours only), and the workflow's DFlash
 #   eval   every drafter `draftflow evaluate`d on the GPU: real τ at K 3/5/7, T 0 and 1, on MT-bench
 #          (both turns), GSM8K and HumanEval; simulated τ; prompt lookup. At most JOBS at a time.
+#   all    data (skipped when RESUME=1 finds it done), train, and evaluate each drafter as soon as it
+#          is trained (JOBS_TRAINING at a time while training runs, then JOBS). Call it again with
+#          RESUME=1 after a call ran out of time: trained drafters and finished evaluations are kept,
+#          a killed training resumes from its last checkpoint (ours every train.save_every_steps,
+#          speculators every tenth of an epoch), a killed evaluation starts again.
 #
 # Everything is killed at DEADLINE seconds (default 540); what finished is in $OUT/figures.json.
 # On the CPU (a smoke test): SKIP_INSTALL=1 DEVICE=cpu TINY=1 W=/tmp/smolcpu OUT=/tmp/smolcpu-out.
@@ -69,14 +74,18 @@ wait_all() {  # wait for the given pids, killing them at the deadline
 qc() {  # TRAINER SEED: one trainer at one seed, its own process group
     setsid python3 bench/quality_compare.py --results "$W/results" --config "$W/config.yaml" --work "$W/qc" \
         --trainers "$1" --seeds "$2" --train-only --device "$DEVICE" --threads 2 --spec-kernels eager \
-        --label "$LABEL" --set train.num_workers=2 ${QC_SETS:-} --output "$W/qc.jsonl" > "$W/qc-$1-$2.log" 2>&1 &
+        --label "$LABEL" --set train.num_workers=2 --set train.save_every_steps=40 --resume ${QC_SETS:-} \
+        --output "$W/qc.jsonl" > "$W/qc-$1-$2.log" 2>&1 &
     echo $!
 }
 
 if [ "$mode" = stash ]; then
     stash
 fi
-if [ "$mode" = data ] || [ "$mode" = datatrain ]; then
+data_done() { [ -e "$W/results/hidden_states/data_config.json" ] && [ -e "$W/results/vocab/draft_vocab.safetensors" ]; }
+if [ "$mode" = all ] && [ -n "${RESUME:-}" ] && data_done; then
+    note "data stages done in an earlier call"
+elif [ "$mode" = data ] || [ "$mode" = datatrain ] || [ "$mode" = all ]; then
     stash
     [ -n "${RESUME:-}" ] || rm -rf "$W"  # RESUME=1: keep the last call's work (regenerate resumes its groups)
     mkdir -p "$W"
@@ -108,7 +117,14 @@ with gzip.open(out / "regenerated.jsonl.gz", "wt") as f:
 EOF
     collect
 fi
-if [ "$mode" = train ] || [ "$mode" = datatrain ]; then
+if [ "$mode" = train ] || [ "$mode" = datatrain ] || [ "$mode" = all ]; then
+    touch "$W/training.flag"
+    if [ "$mode" = all ]; then
+        python3 bench/smollm2.py evalqueue --work "$W" --seconds $((DEADLINE - $(elapsed) - 5)) --jobs ${JOBS:-14} \
+            --jobs-training ${JOBS_TRAINING:-4} --training-flag "$W/training.flag" --device "$DEVICE" \
+            ${SETS:+--sets $SETS} ${TEMPS:+--temps $TEMPS} > "$W/logs-evalqueue.txt" 2>&1 &
+        queue=$!
+    fi
     pids=()
     setsid "${SMK[@]}" --nolock --configfile="$W/config.yaml" "$W/results/drafter/dflash" \
         > "$W/logs-dflash.txt" 2>&1 &
@@ -126,7 +142,12 @@ if [ "$mode" = train ] || [ "$mode" = datatrain ]; then
     ) &
     pids+=("$!")
     wait_all "${pids[@]}"
+    rm -f "$W/training.flag"
     note "trained: $(ls -d "$W"/qc/*/drafter "$W/results/drafter/dflash" 2>/dev/null | tr '\n' ' ')"
+    if [ "$mode" = all ]; then
+        wait "$queue"
+        note "evaluated: $(ls "$W"/evals/*/*/acceptance.json 2>/dev/null | wc -l)"
+    fi
     collect
 fi
 if [ "$mode" = eval ]; then
