@@ -72,7 +72,7 @@ wait_all() {  # wait for the given pids, killing them at the deadline
 }
 
 qc() {  # TRAINER SEED: one trainer at one seed, its own process group
-    setsid python3 bench/quality_compare.py --results "$W/results" --config "$W/config.yaml" --work "$W/qc" \
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True setsid python3 bench/quality_compare.py --results "$W/results" --config "$W/config.yaml" --work "$W/qc" \
         --trainers "$1" --seeds "$2" --train-only --device "$DEVICE" --threads 2 --spec-kernels eager \
         --label "$LABEL" --set train.num_workers=2 --set train.save_every_steps=40 --resume ${QC_SETS:-} \
         --output "$W/qc.jsonl" > "$W/qc-$1-$2.log" 2>&1 &
@@ -132,8 +132,11 @@ if [ "$mode" = train ] || [ "$mode" = datatrain ] || [ "$mode" = all ]; then
     for seed in $SEEDS; do pids+=("$(qc ours "$seed")"); done
     first=${SEEDS%% *}
     [ -n "${NO_SPECULATORS:-}" ] || pids+=("$(qc speculators "$first")")
-    [ -n "${NO_SPECULATORS:-}" ] || (  # the other speculators seeds once the first has converted the store (one copy on disk)
-        while [ ! -e "$W/qc/speculators_data/draftflow_export.json" ]; do  # interop.SIDECAR: written last
+    # the other speculators seeds once the first has converted the store (one copy on disk) and ours have
+    # finished: seven trainers side by side ran speculators out of the card's memory (2026-12-05)
+    ours_done() { for seed in $SEEDS; do ls "$W"/qc/ours-*-s"$seed"/train_info.json > /dev/null 2>&1 || return 1; done; }
+    [ -n "${NO_SPECULATORS:-}" ] || (
+        while [ ! -e "$W/qc/speculators_data/draftflow_export.json" ] || ! ours_done; do  # interop.SIDECAR: written last
             [ "$(elapsed)" -ge "$DEADLINE" ] && exit 1
             sleep 3
         done
