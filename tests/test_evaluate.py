@@ -239,6 +239,27 @@ def test_evaluate_stage_writes_acceptance_json_and_csv(stage_inputs):
         (s, m) for s in ("file", "eval") for m in ("baseline", "eagle3", "ngram")}  # fmt: skip
 
 
+def test_evaluate_without_prompt_lookup_decodes_the_drafter_alone(stage_inputs, tmp_path):
+    """evaluate.prompt_lookup false: no n-gram decoding (no rows, no outputs, an empty report entry),
+    and the drafter's figures are those of a run that measured the baseline too."""
+    tmp, range_dir, _ = stage_inputs
+    assert run_stage(tmp, range_dir, draft_tokens=[2]) == 0
+    both = json.loads((tmp / "eval" / "acceptance.json").read_text())
+    assert run_stage(tmp, range_dir, tmp_path / "state", draft_tokens=[2], prompt_lookup=False) == 0
+    alone = json.loads((tmp / "eval" / "acceptance.json").read_text())
+    outputs = [json.loads(line) for line in (tmp / "eval" / "outputs.jsonl").read_text().splitlines()]
+    assert both["ngram"] and alone["ngram"] == {}
+    assert {r["method"] for r in alone["per_set"]} == {"baseline", "eagle3"}
+    assert {o["method"] for o in outputs} == {"greedy", "eagle3"}
+
+    def drafter_figures(report):
+        return {k: {f: v[f] for f in ("acceptance_length", "alpha", "verify_steps", "matches_greedy")}
+                for k, v in report["eagle3"].items()}  # fmt: skip
+
+    assert drafter_figures(alone) == drafter_figures(both)
+    assert alone["acceptance_length_simulated"] == both["acceptance_length_simulated"]
+
+
 def recount(outputs: list[dict], prompt_set: str, method: str, k: int) -> tuple[float, list[float], int]:
     """τ, α and verify steps counted by hand from the decoded outputs: tokens emitted by verify
     steps (all but the prefill's first) per verify step; α_i over steps that reached draft i."""
