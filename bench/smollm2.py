@@ -233,11 +233,14 @@ def evalqueue(a) -> None:
         for job, drafter in todo[: max(0, limit - len(running))]:
             label, ps, t = job
             out = w / "evals" / label / f"{ps}-T{t}"
+            # prompt lookup is the same for every drafter: measured once per cell, with the drafter
+            # named by --prompt-lookup-with (DFlash by default: its full block's K too)
+            lookup = [] if label == a.prompt_lookup_with else ["--set", "evaluate.prompt_lookup=false"]
             with open(w / f"eval-{label}-{ps}-{t}.log", "w") as log:
                 running[job] = subprocess.Popen(
                     [sys.executable, str(REPO / "bench" / "real_target.py"), "evaluate", "--results", str(w / "results"),
                      "--config", str(w / "config.yaml"), "--drafter", str(drafter), "--prompt-set", ps,
-                     "--temperature", str(t), "--device", a.device, "--threads", "1", "--out", str(out)],
+                     "--temperature", str(t), "--device", a.device, "--threads", "1", "--out", str(out), *lookup],
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         if not running and not todo and not training:
             return
@@ -313,6 +316,7 @@ def main(argv=None) -> int:
     e.add_argument("--sets", nargs="+", default=["mtbench", "gsm8k", "humaneval"])
     e.add_argument("--temps", nargs="+", type=int, default=[0, 1])
     e.add_argument("--device", default="cuda")
+    e.add_argument("--prompt-lookup-with", default="dflash-s0", help="the one drafter label whose jobs measure prompt lookup")
     o = sub.add_parser("collect")
     o.add_argument("--work", type=Path, required=True)
     o.add_argument("--out", type=Path, required=True)

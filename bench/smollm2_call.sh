@@ -20,6 +20,7 @@
 #          speculators every tenth of an epoch), a killed evaluation starts again.
 #
 # Everything is killed at DEADLINE seconds (default 540); what finished is in $OUT/figures.json.
+# MPS=1: the call's processes share the GPU through an MPS daemon of its own (see below; not yet run).
 # On the CPU (a smoke test): SKIP_INSTALL=1 DEVICE=cpu TINY=1 W=/tmp/smolcpu OUT=/tmp/smolcpu-out.
 set -u -o pipefail
 mode="$1"
@@ -36,6 +37,14 @@ elapsed() { echo $(($(date +%s) - T0)); }
 note() { echo "[smollm2 $mode $(elapsed)s] $*" | tee -a "$OUT/calllog.txt" >&2; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TQDM_DISABLE=1 OMP_WAIT_POLICY=PASSIVE
 [ "$DEVICE" = cuda ] && export CUDA_VISIBLE_DEVICES=0
+# MPS=1 (not yet run on the H200): one MPS control daemon of this call's own, so that the side-by-side
+# processes' small kernels share the GPU instead of time-slicing it (the batch-1 evaluations, 2026-12-05);
+# a user-level service in /tmp, quit when the call ends; the card's settings (compute mode) are untouched
+if [ -n "${MPS:-}" ] && [ "$DEVICE" = cuda ]; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/draftflow-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/draftflow-mps/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
+fi
 SMK=(python3 -m snakemake --cores ${CORES:-16} --resources gpu=1 --scheduler greedy --rerun-incomplete)
 
 stash() {
