@@ -92,6 +92,28 @@ def test_simulated_chains_replay_real_decoding_exactly(trained):
     assert checked > 3 * len(prompts)
 
 
+@pytest.mark.parametrize("k", [1, K, 7])
+def test_batched_decoding_is_each_request_decoded_alone(trained, k):
+    """evaluate.batch_size: the 12 prompts (lengths 3-11: padded rows) decoded in one batch give
+    every request's tokens, drafts proposed and accepted per verify step exactly as decoding it alone;
+    an EOS ends one row while the others go on."""
+    from draftflow.evaluation.batched import BatchedEagle3Proposer, BatchedTarget, batched_speculative_decode
+
+    model, drafter, target, _, prompts, references, _ = trained
+    eos = {references[0].tokens[len(references[0].tokens) // 2]}  # a token that ends some requests early
+    alone = [speculative_decode(target, Eagle3Proposer(drafter), p, k, NEW, eos) for p in prompts]
+    batched_target = BatchedTarget(model, AUX)
+    try:
+        together = batched_speculative_decode(batched_target, BatchedEagle3Proposer(drafter, len(prompts)), prompts,
+                                              k, NEW, eos)  # fmt: skip
+    finally:
+        batched_target.close()
+    assert [o.tokens for o in together] == [o.tokens for o in alone]
+    assert [(o.proposed, o.accepted) for o in together] == [(o.proposed, o.accepted) for o in alone]
+    assert len({len(o.tokens) for o in alone}) > 1  # rows ended at different steps
+    assert sum(map(sum, (o.accepted for o in alone))) > 2 * len(prompts)  # the drafter's chains were used
+
+
 def test_simulated_acceptance_is_what_training_reports(trained):
     """`simulate` counts chains as draftflow.drafters.ttt does: same α per step on the same samples."""
     model, drafter, target, head, prompts, references, samples = trained
@@ -258,6 +280,25 @@ def test_evaluate_without_prompt_lookup_decodes_the_drafter_alone(stage_inputs, 
 
     assert drafter_figures(alone) == drafter_figures(both)
     assert alone["acceptance_length_simulated"] == both["acceptance_length_simulated"]
+
+
+def test_evaluate_batched_reports_what_one_at_a_time_does(stage_inputs, tmp_path):
+    """evaluate.batch_size 4 on the stage: the same τ, α, verify steps and greedy matches per K and
+    per prompt set as batch 1; outputs.jsonl recounts to its rows."""
+    tmp, range_dir, _ = stage_inputs
+    assert run_stage(tmp, range_dir, prompt_lookup=False) == 0
+    alone = json.loads((tmp / "eval" / "acceptance.json").read_text())
+    assert run_stage(tmp, range_dir, tmp_path / "state", prompt_lookup=False, batch_size=4) == 0
+    batched = json.loads((tmp / "eval" / "acceptance.json").read_text())
+    outputs = [json.loads(line) for line in (tmp / "eval" / "outputs.jsonl").read_text().splitlines()]
+
+    def figures(report):
+        return [(r["prompt_set"], r["draft_tokens"], r["acceptance_length"], r["alpha"], r["verify_steps"],
+                 r.get("matches_greedy")) for r in report["per_set"] if r["method"] == "eagle3" and r["measured"] == "real"]  # fmt: skip
+
+    assert figures(batched) == figures(alone)
+    assert batched["settings"]["batch_size"] == 4 and alone["eagle3"]["3"]["prompts"] == 5
+    assert check_against_outputs(batched, outputs) == 4  # 2 sets x 2 K
 
 
 def recount(outputs: list[dict], prompt_set: str, method: str, k: int) -> tuple[float, list[float], int]:

@@ -86,6 +86,7 @@ class EvaluateSettings:
     prompts_file: str | None = None
     ngram_max: int = 3
     prompt_lookup: bool = True  # hf engine: also decode with the n-gram baseline (~40% of a job's decoding)
+    batch_size: int = 1  # hf engine, greedy EAGLE-3: requests per forward (`batched`)
     device: str = "auto"
     engine: str = "hf"
     temperatures: tuple[float, ...] = (0.0,)  # 0: greedy; > 0: speculative sampling at that temperature
@@ -414,6 +415,7 @@ def run_real(
     outputs: list[dict] | None = None,
     temperature: float = 0.0,
     seed: int = 0,
+    batch_size: int = 1,
 ) -> tuple[dict[str, dict[int, MethodResult]], AcceptanceStats]:
     """Every proposer at every K on every turn of every prompt; plain decoding once per turn as the
     reference (later turns of a multi-turn prompt follow the reference answer). Decoded tokens and
@@ -423,10 +425,16 @@ def run_real(
     temperature > 0: chain speculative sampling (`speculative_sample`): its output is distributed as
     the target's own sampling, so there is no single output to match (`matches_greedy` None); the
     reference is plain sampling (the speed baseline). Every request draws from its own generator
-    (`request_generator(seed, prompt, turn, method, K)`)."""
+    (`request_generator(seed, prompt, turn, method, K)`).
+
+    batch_size > 1, greedy: EAGLE-3 decodes batch_size requests per forward (`batched`: the same
+    tokens and acceptance as one at a time), after the reference pass has fixed every turn's input;
+    its seconds are the batch's time shared among the requests."""
     results = {p.name: {k: MethodResult(AcceptanceStats(k)) for k in draft_tokens} for p in proposers}
     greedy = AcceptanceStats(1)
     sampling = temperature > 0
+    batched = [p for p in proposers if isinstance(p, Eagle3Proposer)] if batch_size > 1 and not sampling else []
+    deferred: list[tuple[Prompt, int, list[int], DecodeResult]] = []  # (prompt, turn, ids, reference)
     # warm-up (kernels, allocator) so that the first timed method is not penalized
     greedy_decode(target, prompts[0].ids, 4, eos_ids)
     for proposer in proposers:
@@ -444,7 +452,11 @@ def run_real(
             greedy.add(reference)
             record({"source": prompt.source, "turn": turn, "method": "sampled" if sampling else "greedy",
                     "prompt_tokens": len(ids), "tokens": reference.tokens})  # fmt: skip
+            if batched:
+                deferred.append((prompt, turn, list(ids), reference))
             for m, proposer in enumerate(proposers, start=1):
+                if proposer in batched:
+                    continue
                 for k in draft_tokens:
                     r = results[proposer.name][k]
                     r.prompts += 1
@@ -465,7 +477,38 @@ def run_real(
                 answers.append(tokenizer.decode(reference.tokens, skip_special_tokens=True))
                 ids = prompt.next_turn(tokenizer, answers)
         progress.update(n, extra=f"{prompt.source}: {len(reference.tokens)} tokens")
+    for proposer in batched:
+        _run_batched(target, proposer, deferred, draft_tokens, max_new_tokens, eos_ids, batch_size,
+                     results[proposer.name], record)  # fmt: skip
     return results, greedy
+
+
+def _run_batched(target: Target, proposer: "Eagle3Proposer", requests: list, draft_tokens: Sequence[int],
+                 max_new_tokens: int, eos_ids: set[int], batch_size: int, results: dict[int, MethodResult],
+                 record) -> None:  # fmt: skip
+    """Every request (prompt, turn, ids, greedy reference) at every K, batch_size at a time."""
+    from draftflow.evaluation.batched import BatchedEagle3Proposer, BatchedTarget, batched_speculative_decode
+
+    batched_target = BatchedTarget(target.model, target.aux_layer_ids)
+    try:
+        for k in draft_tokens:
+            r = results[k]
+            for start in range(0, len(requests), batch_size):
+                chunk = requests[start : start + batch_size]
+                outs = batched_speculative_decode(batched_target, BatchedEagle3Proposer(proposer.drafter, len(chunk)),
+                                                  [ids for _, _, ids, _ in chunk], k, max_new_tokens, eos_ids)  # fmt: skip
+                for (prompt, turn, _, reference), out in zip(chunk, outs):
+                    r.prompts += 1
+                    if out.tokens == reference.tokens:
+                        r.matches_greedy += 1
+                    else:  # a floating-point tie flipped between batched and single-request forwards
+                        log.warning("%s K=%d (batched): output differs from greedy on %s", proposer.name, k, prompt.source)
+                    r.stats.add(out)
+                    record({"source": prompt.source, "turn": turn, "method": proposer.name, "draft_tokens": k,
+                            "tokens": out.tokens, "proposed": out.proposed, "accepted": out.accepted})  # fmt: skip
+            log.info("%s K=%d: %d requests decoded %d at a time", proposer.name, k, len(requests), batch_size)
+    finally:
+        batched_target.close()
 
 
 # ---------------------------------------------------------------- the per-set table
@@ -647,6 +690,7 @@ def run_hf(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, li
         "ngram_max": settings.ngram_max, "device": str(device),
         # only when off: the resume state of runs that measured the baseline keeps its key
         **({} if settings.prompt_lookup else {"prompt_lookup": False}),
+        **({"batch_size": settings.batch_size} if settings.batch_size > 1 else {}),
     }))  # fmt: skip
 
     names = [method, "ngram"] if settings.prompt_lookup else [method]
@@ -734,7 +778,7 @@ def _measure_sets(model, tokenizer, drafter, cfg, sets: list[PromptSet], setting
             outputs: list[dict] = []
             real, reference = run_real(target, proposers, ps.prompts, ks, settings.max_new_tokens,
                                        eos_token_ids(model, tokenizer), tokenizer, outputs, temperature,
-                                       settings.seed)  # fmt: skip
+                                       settings.seed, settings.batch_size)  # fmt: skip
             state.save(ps, unit, temperature, {
                 "real": {m: {str(k): r.state() for k, r in per_k.items()} for m, per_k in real.items()},
                 "greedy": asdict(reference), "outputs": outputs})  # fmt: skip

@@ -1,0 +1,265 @@
+"""Greedy chain speculative decoding of many requests at once: EAGLE-3 against a Hugging Face target.
+
+`speculative.speculative_decode` decodes one request per forward. A small target on a GPU is then
+bound by kernel launches, not arithmetic (SmolLM2-135M: ~5 ms a forward at batch 1 on an H200), and an
+evaluation of a real model takes hours. Here B requests share every forward; each keeps its own
+acceptance, so each request's tokens, verify steps and accepted counts are those of decoding it alone.
+
+Layout: every request has a row in one batched KV cache (the target's and the drafter's). A verify
+step appends k+1 slots to every row; a row keeps the slots of its accepted tokens and marks the rest
+invalid. Invalid slots (a shorter prompt's padding, rejected drafts, a finished row's filler) stay in
+the cache but no query attends to them (a [B, L] mask); positions come from each row's own count of
+valid slots, so rotary embeddings see exactly the positions of the unbatched decode.
+
+    step  rows b:  [t_b, d_b1 .. d_bk]        one target forward for all rows
+          keep     1 + a_b slots of row b      a_b = accepted drafts (≤ the row's k_eff)
+
+Only greedy (temperature 0) EAGLE-3 decoding is batched; prompt lookup, DFlash and sampling decode one
+request at a time (`speculative`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftflow.drafters.eagle3 import AttentionCache
+from draftflow.errors import DraftflowError
+from draftflow.evaluation.speculative import DecodeResult, _decoder_layers, _stop_index, _sync
+
+
+def batching_refusal(model: nn.Module) -> str | None:
+    """Why `model` cannot decode batched here (None: it can): the [B, L] mask with holes and explicit
+    positions suit plain full-attention decoders."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return "its attention uses a sliding window"
+    if getattr(cfg, "final_logit_softcapping", None):
+        return "its logits are soft-capped"
+    if set(getattr(cfg, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
+        return f"its layers are not all full attention ({sorted(set(cfg.layer_types))})"
+    if not isinstance(getattr(model, "model", None), nn.Module) or model.get_output_embeddings() is None:
+        return "it has no `.model` decoder with an output embedding"
+    return None
+
+
+class BatchedTarget:
+    """A causal LM decoding B rows at once in one KV cache with per-row valid slots."""
+
+    def __init__(self, model: nn.Module, aux_layer_ids: Sequence[int]):
+        import inspect
+
+        from transformers import DynamicCache
+
+        why = batching_refusal(model)
+        if why:
+            raise DraftflowError(f"evaluate.batch_size > 1: {type(model).__name__} cannot decode batched here: {why}; "
+                                 "set evaluate.batch_size to 1")  # fmt: skip
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.aux_layer_ids = [int(i) for i in aux_layer_ids]
+        self._new_cache = lambda: DynamicCache(config=model.config)
+        # transformers >= 5.24 names the argument `cache`, older versions `past_key_values`
+        params = inspect.signature(model.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._captured: list[torch.Tensor | None] = [None] * len(self.aux_layer_ids)
+        layers = _decoder_layers(model)
+        self._hooks = [layers[i].register_forward_hook(self._hook(slot)) for slot, i in enumerate(self.aux_layer_ids)]
+
+    def _hook(self, slot: int):
+        def hook(module, args, output):
+            self._captured[slot] = output[0] if isinstance(output, tuple) else output  # [B, S, H]
+
+        return hook
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    @torch.inference_mode()
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids, positions [B, S] -> (hidden after the final norm [B, S, H], aux [B, S, n_aux, H]);
+        appends S slots per row, valid until `keep` says otherwise."""
+        self.valid = torch.cat([self.valid, torch.ones_like(ids, dtype=torch.bool)], dim=1)  # [B, L + S]
+        out = self.model.model(input_ids=ids, attention_mask=self.valid.long(), position_ids=positions,
+                               use_cache=True, **{self._cache_arg: self.cache})  # fmt: skip
+        aux = torch.stack(self._captured, dim=2)  # [B, S, n_aux, H]
+        self._captured = [None] * len(self.aux_layer_ids)
+        return out.last_hidden_state, aux
+
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(hidden).argmax(-1)  # [..., V] -> [...]
+
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[torch.Tensor]]:
+        """Right-padded prompts in one forward -> (each row's first greedy token, aux [len_b, n_aux, H])."""
+        B, P = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros(B, P, dtype=torch.long, device=self.device)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = torch.as_tensor(list(p), device=self.device)
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        positions = torch.arange(P, device=self.device).expand(B, P)
+        self.cache = self._new_cache()
+        self.valid = torch.zeros(B, 0, dtype=torch.bool, device=self.device)
+        hidden, aux = self._forward(ids, positions)
+        # padding after a prompt: its slots are never attended to (causal: the prompt's own queries come first)
+        self.valid[:, :P] = torch.arange(P, device=self.device)[None] < lengths[:, None]
+        self.lengths = lengths.clone()  # valid slots per row = the next position
+        last = hidden[torch.arange(B, device=self.device), lengths - 1]  # [B, H]
+        return self._greedy(last).tolist(), [aux[b, : len(p)] for b, p in enumerate(prompts)]
+
+    @torch.inference_mode()
+    def verify(self, rows: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
+        """rows[b] = [t_b, d_b1 .. d_bS-1] (equal lengths) -> (greedy after each, aux [B, S, n_aux, H])."""
+        ids = torch.tensor(rows, dtype=torch.long, device=self.device)  # [B, S]
+        S = ids.shape[1]
+        positions = self.lengths[:, None] + torch.arange(S, device=self.device)[None]
+        hidden, aux = self._forward(ids, positions)
+        return self._greedy(hidden).tolist(), aux
+
+    @torch.inference_mode()
+    def keep(self, kept: Sequence[int], appended: int) -> None:
+        """Of the last `appended` slots, row b keeps its first kept[b] (0 for a finished row)."""
+        L = self.valid.shape[1]
+        slot = torch.arange(appended, device=self.device)[None]  # [1, S]
+        kept_t = torch.as_tensor(list(kept), device=self.device)
+        self.valid[:, L - appended :] = slot < kept_t[:, None]
+        self.lengths += kept_t
+
+
+class MaskedKVCache(AttentionCache):
+    """The drafter's batched cache: entries appended for every row, a [B, L] mask of the valid ones;
+    new queries see the valid entries and the new ones up to themselves."""
+
+    def __init__(self, num_layers: int, batch: int, device):
+        self.k: list[torch.Tensor | None] = [None] * num_layers  # [B, h, L, d]
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+
+    def append(self, new_valid: torch.Tensor) -> None:
+        """Before a drafter call: which of its S new entries per row are real ([B, S] bool)."""
+        self.valid = torch.cat([self.valid, new_valid], dim=1)
+
+    def attend(self, layer, q, k, v):
+        if self.k[layer] is not None:
+            k, v = torch.cat([self.k[layer], k], dim=2), torch.cat([self.v[layer], v], dim=2)
+        self.k[layer], self.v[layer] = k, v
+        S, L = q.shape[2], k.shape[2]
+        causal = torch.ones(S, L, dtype=torch.bool, device=q.device).tril(L - S)  # [S, L]
+        mask = causal[None] & self.valid[:, None, :]  # [B, S, L]
+        # a query on an invalid (padding) entry still sees itself: no fully masked row (NaN-free)
+        own = torch.zeros(S, L, dtype=torch.bool, device=q.device)
+        own[torch.arange(S), torch.arange(L - S, L)] = True
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(mask | own[None])[:, None])
+
+    def invalidate_from(self, length: int) -> None:
+        """Entries from `length` on no longer count (the last chain's drafts)."""
+        self.valid[:, length:] = False
+
+
+class BatchedEagle3Proposer:
+    """EAGLE-3 chains for B rows at once (the batched form of `speculative.Eagle3Proposer`)."""
+
+    def __init__(self, drafter, batch: int):
+        self.drafter = drafter.eval()
+        self.device = drafter.fc.weight.device
+        self.cache = MaskedKVCache(drafter.num_layers, batch, self.device)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)  # target positions fed per row
+
+    @torch.inference_mode()
+    def propose(self, next_tokens: list[list[int]], new_aux: list[torch.Tensor], k: int) -> list[list[int]]:
+        """next_tokens[b]: the token after each of row b's new target states (aux [S_b, n_aux, H]);
+        -> k greedy drafts per row (rows with no new states draft filler that the caller ignores)."""
+        B = len(new_aux)
+        S = max(1, max(a.shape[0] for a in new_aux))
+        self.cache.invalidate_from(self._fed)  # the previous chain's drafts
+        ids = torch.zeros(B, S, dtype=torch.long, device=self.device)
+        aux = torch.zeros(B, S, *new_aux[0].shape[1:], dtype=new_aux[0].dtype, device=self.device)
+        counts = torch.tensor([a.shape[0] for a in new_aux], device=self.device)
+        for b, (toks, a) in enumerate(zip(next_tokens, new_aux)):
+            n = a.shape[0]
+            if n:
+                ids[b, :n] = torch.as_tensor(toks[:n], device=self.device)
+                aux[b, :n] = a.to(self.device)
+        positions = self.positions[:, None] + torch.arange(S, device=self.device)[None]  # [B, S]
+        self.cache.append(torch.arange(S, device=self.device)[None] < counts[:, None])
+        logits, out, _ = self.drafter.step(ids, self.drafter.fuse(aux), positions, self.cache)
+        self.positions += counts
+        self._fed = self.cache.valid.shape[1]
+        last = (counts - 1).clamp(min=0)
+        rows = torch.arange(B, device=self.device)
+        logits, hidden = logits[rows, last][:, None], out[rows, last][:, None]  # [B, 1, Vd], [B, 1, H]
+        drafts: list[torch.Tensor] = []
+        for i in range(k):
+            draft = self.drafter.to_target_ids(logits[:, -1].argmax(-1))  # [B] target ids
+            drafts.append(draft)
+            if i + 1 < k:  # fed back with the drafter's own hidden state, at the next position
+                self.cache.append(torch.ones(B, 1, dtype=torch.bool, device=self.device))
+                logits, hidden, _ = self.drafter.step(draft[:, None], hidden[:, -1:], (self.positions + i)[:, None],
+                                                      self.cache)  # fmt: skip
+        return torch.stack(drafts, dim=1).tolist() if drafts else [[] for _ in range(B)]
+
+    def start(self) -> None:
+        self._fed = 0
+
+
+def batched_speculative_decode(
+    target: BatchedTarget,
+    proposer: BatchedEagle3Proposer,
+    prompts: Sequence[Sequence[int]],
+    k: int,
+    max_new_tokens: int,
+    eos_ids: set[int],
+) -> list[DecodeResult]:
+    """Greedy chain speculative decoding of every prompt at once; per prompt the DecodeResult of
+    `speculative_decode` (tokens, drafts proposed and accepted per verify step). seconds: the batch's
+    wall time shared equally (a throughput figure, not one request's latency)."""
+    if k < 1:
+        raise DraftflowError(f"draft tokens must be >= 1, got {k}")
+    B = len(prompts)
+    _sync(target.device)
+    start = time.perf_counter()
+    first, aux = target.prefill(prompts)
+    proposer.start()
+    outs = [DecodeResult([t], 0.0) for t in first]
+    seqs = [list(p) + [t] for p, t in zip(prompts, first)]
+    fed = [len(p) for p in prompts]  # target positions each row's drafter has seen
+    done = [o.tokens[-1] in eos_ids or len(o.tokens) >= max_new_tokens for o in outs]
+    while not all(done):
+        k_eff = [0 if d else min(k, max_new_tokens - len(o.tokens) - 1) for d, o in zip(done, outs)]
+        next_tokens = [s[f - len(a) + 1 : f + 1] for s, f, a in zip(seqs, fed, aux)]
+        drafts = proposer.propose(next_tokens, aux, k)  # [B][k]
+        rows = [[s[-1], *d] for s, d in zip(seqs, drafts)]
+        greedy, new_aux = target.verify(rows)
+        kept = []
+        aux = []
+        for b in range(B):
+            if done[b]:
+                kept.append(0)
+                aux.append(new_aux[b, :0])
+                continue
+            mine = drafts[b][: k_eff[b]]
+            a = 0
+            while a < len(mine) and mine[a] == greedy[b][a]:
+                a += 1
+            kept.append(1 + a)
+            aux.append(new_aux[b, : a + 1])
+            new = mine[:a] + [greedy[b][a]]
+            keep = _stop_index(new, max_new_tokens - len(outs[b].tokens), eos_ids)
+            outs[b].tokens += new[:keep]
+            seqs[b] += new[:keep]
+            fed[b] += 1 + a
+            outs[b].proposed.append(len(mine))
+            outs[b].accepted.append(a)
+            done[b] = outs[b].tokens[-1] in eos_ids or len(outs[b].tokens) >= max_new_tokens
+        target.keep(kept, k + 1)
+    _sync(target.device)
+    seconds = time.perf_counter() - start
+    for o in outs:
+        o.seconds = seconds / B
+    return outs
