@@ -114,6 +114,29 @@ def test_batched_decoding_is_each_request_decoded_alone(trained, k):
     assert sum(map(sum, (o.accepted for o in alone))) > 2 * len(prompts)  # the drafter's chains were used
 
 
+@pytest.mark.parametrize("k", [1, K])
+def test_batched_sampling_is_each_request_sampled_alone(trained, k):
+    """Speculative sampling at T = 1, batched: each row draws from its own generator in the order a
+    lone request draws, so every request's tokens and acceptance equal `speculative_sample`'s."""
+    from draftflow.evaluation.batched import BatchedEagle3Proposer, BatchedTarget, batched_speculative_sample
+    from draftflow.evaluation.speculative import speculative_sample
+
+    model, drafter, target, _, prompts, _, _ = trained
+    generators = lambda: [torch.Generator().manual_seed(100 + i) for i in range(len(prompts))]  # noqa: E731
+    alone = [speculative_sample(target, Eagle3Proposer(drafter), p, k, NEW, set(), 1.0, g)
+             for p, g in zip(prompts, generators())]  # fmt: skip
+    batched_target = BatchedTarget(model, AUX)
+    try:
+        together = batched_speculative_sample(batched_target, BatchedEagle3Proposer(drafter, len(prompts)), prompts,
+                                              k, NEW, set(), 1.0, generators())  # fmt: skip
+    finally:
+        batched_target.close()
+    assert [o.tokens for o in together] == [o.tokens for o in alone]
+    assert [(o.proposed, o.accepted) for o in together] == [(o.proposed, o.accepted) for o in alone]
+    assert sum(map(sum, (o.accepted for o in alone))) > len(prompts)  # drafts were accepted, and rejected:
+    assert any(a < p for o in alone for p, a in zip(o.proposed, o.accepted))  # both branches of the test ran
+
+
 def test_simulated_acceptance_is_what_training_reports(trained):
     """`simulate` counts chains as draftflow.drafters.ttt does: same α per step on the same samples."""
     model, drafter, target, head, prompts, references, samples = trained
@@ -283,22 +306,24 @@ def test_evaluate_without_prompt_lookup_decodes_the_drafter_alone(stage_inputs, 
 
 
 def test_evaluate_batched_reports_what_one_at_a_time_does(stage_inputs, tmp_path):
-    """evaluate.batch_size 4 on the stage: the same τ, α, verify steps and greedy matches per K and
-    per prompt set as batch 1; outputs.jsonl recounts to its rows."""
+    """evaluate.batch_size 4 on the stage, greedy and sampled: the same τ, α, verify steps and greedy
+    matches per K, prompt set and temperature as batch 1; outputs.jsonl recounts to its rows."""
     tmp, range_dir, _ = stage_inputs
-    assert run_stage(tmp, range_dir, prompt_lookup=False) == 0
+    both = {"prompt_lookup": False, "temperatures": [0.0, 1.0]}
+    assert run_stage(tmp, range_dir, **both) == 0
     alone = json.loads((tmp / "eval" / "acceptance.json").read_text())
-    assert run_stage(tmp, range_dir, tmp_path / "state", prompt_lookup=False, batch_size=4) == 0
+    assert run_stage(tmp, range_dir, tmp_path / "state", batch_size=4, **both) == 0
     batched = json.loads((tmp / "eval" / "acceptance.json").read_text())
     outputs = [json.loads(line) for line in (tmp / "eval" / "outputs.jsonl").read_text().splitlines()]
 
     def figures(report):
-        return [(r["prompt_set"], r["draft_tokens"], r["acceptance_length"], r["alpha"], r["verify_steps"],
+        return [(r["prompt_set"], r["temperature"], r["draft_tokens"], r["acceptance_length"], r["alpha"], r["verify_steps"],
                  r.get("matches_greedy")) for r in report["per_set"] if r["method"] == "eagle3" and r["measured"] == "real"]  # fmt: skip
 
     assert figures(batched) == figures(alone)
     assert batched["settings"]["batch_size"] == 4 and alone["eagle3"]["3"]["prompts"] == 5
-    assert check_against_outputs(batched, outputs) == 4  # 2 sets x 2 K
+    assert len(figures(alone)) == 8  # 2 sets x 2 K x 2 temperatures
+    assert check_against_outputs(batched, outputs) == 4 and check_against_outputs(batched, outputs, 1.0) == 4
 
 
 def recount(outputs: list[dict], prompt_set: str, method: str, k: int) -> tuple[float, list[float], int]:

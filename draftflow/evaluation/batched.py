@@ -14,13 +14,15 @@ valid slots, so rotary embeddings see exactly the positions of the unbatched dec
     step  rows b:  [t_b, d_b1 .. d_bk]        one target forward for all rows
           keep     1 + a_b slots of row b      a_b = accepted drafts (≤ the row's k_eff)
 
-Only greedy (temperature 0) EAGLE-3 decoding is batched; prompt lookup, DFlash and sampling decode one
-request at a time (`speculative`).
+EAGLE-3 chains are batched, greedy (`batched_speculative_decode`) and sampled
+(`batched_speculative_sample`: each row draws from its own generator in the order a lone request
+draws); the greedy reference, prompt lookup and DFlash decode one request at a time (`speculative`).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -29,7 +31,25 @@ from torch import nn
 
 from draftflow.drafters.eagle3 import AttentionCache
 from draftflow.errors import DraftflowError
-from draftflow.evaluation.speculative import DecodeResult, _decoder_layers, _stop_index, _sync
+from draftflow.evaluation.speculative import (
+    DecodeResult,
+    _decoder_layers,
+    _sample,
+    _stop_index,
+    _sync,
+    target_probs,
+    verify_sampled,
+)
+
+
+@dataclass
+class RowSampling:
+    """Speculative sampling's per-row state: the temperature, each row's generator (drawn in the
+    order `speculative_sample` draws for that request alone) and the drafts each row verifies."""
+
+    temperature: float
+    generators: list[torch.Generator]
+    k_eff: list[int] = field(default_factory=list)
 
 
 def batching_refusal(model: nn.Module) -> str | None:
@@ -92,9 +112,6 @@ class BatchedTarget:
         self._captured = [None] * len(self.aux_layer_ids)
         return out.last_hidden_state, aux
 
-    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.get_output_embeddings()(hidden).argmax(-1)  # [..., V] -> [...]
-
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[torch.Tensor]]:
         """Right-padded prompts in one forward -> (each row's first greedy token, aux [len_b, n_aux, H])."""
@@ -111,16 +128,23 @@ class BatchedTarget:
         self.valid[:, :P] = torch.arange(P, device=self.device)[None] < lengths[:, None]
         self.lengths = lengths.clone()  # valid slots per row = the next position
         last = hidden[torch.arange(B, device=self.device), lengths - 1]  # [B, H]
-        return self._greedy(last).tolist(), [aux[b, : len(p)] for b, p in enumerate(prompts)]
+        self.last_logits = self.model.get_output_embeddings()(last)  # [B, V]: sampling draws its first token here
+        return self.last_logits.argmax(-1).tolist(), [aux[b, : len(p)] for b, p in enumerate(prompts)]
 
     @torch.inference_mode()
     def verify(self, rows: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
         """rows[b] = [t_b, d_b1 .. d_bS-1] (equal lengths) -> (greedy after each, aux [B, S, n_aux, H])."""
+        logits, aux = self.verify_logits(rows)
+        return logits.argmax(-1).tolist(), aux
+
+    @torch.inference_mode()
+    def verify_logits(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `verify`, with the next-token logits [B, S, V] instead of their argmax."""
         ids = torch.tensor(rows, dtype=torch.long, device=self.device)  # [B, S]
         S = ids.shape[1]
         positions = self.lengths[:, None] + torch.arange(S, device=self.device)[None]
         hidden, aux = self._forward(ids, positions)
-        return self._greedy(hidden).tolist(), aux
+        return self.model.get_output_embeddings()(hidden), aux
 
     @torch.inference_mode()
     def keep(self, kept: Sequence[int], appended: int) -> None:
@@ -172,9 +196,13 @@ class BatchedEagle3Proposer:
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)  # target positions fed per row
 
     @torch.inference_mode()
-    def propose(self, next_tokens: list[list[int]], new_aux: list[torch.Tensor], k: int) -> list[list[int]]:
+    def propose(self, next_tokens: list[list[int]], new_aux: list[torch.Tensor], k: int,
+                sampling: "RowSampling | None" = None) -> tuple[list[list[int]], list[torch.Tensor | None]]:  # fmt: skip
         """next_tokens[b]: the token after each of row b's new target states (aux [S_b, n_aux, H]);
-        -> k greedy drafts per row (rows with no new states draft filler that the caller ignores)."""
+        -> (k drafts per row, None per row) greedily; with `sampling`, row b's first k_eff[b] drafts
+        are drawn from softmax(logits / T) with its own generator, as `Eagle3Proposer.propose_sampled`
+        draws them, and q[b] [k_eff[b], V] is their distribution over the target vocabulary (the
+        remaining drafts are filler the caller ignores). Rows with no new states draft filler."""
         B = len(new_aux)
         S = max(1, max(a.shape[0] for a in new_aux))
         self.cache.invalidate_from(self._fed)  # the previous chain's drafts
@@ -195,14 +223,34 @@ class BatchedEagle3Proposer:
         rows = torch.arange(B, device=self.device)
         logits, hidden = logits[rows, last][:, None], out[rows, last][:, None]  # [B, 1, Vd], [B, 1, H]
         drafts: list[torch.Tensor] = []
+        qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
         for i in range(k):
-            draft = self.drafter.to_target_ids(logits[:, -1].argmax(-1))  # [B] target ids
+            choice = logits[:, -1].argmax(-1)  # [B] draft ids
+            if sampling is not None:
+                for b in range(B):
+                    if i < sampling.k_eff[b]:  # the row's own generator, only for the drafts it verifies
+                        q = torch.softmax(logits[b, -1].double().cpu() / sampling.temperature, -1)  # [Vd]
+                        choice[b] = torch.multinomial(q, 1, generator=sampling.generators[b])[0].to(self.device)
+                        qs[b].append(q)
+            draft = self.drafter.to_target_ids(choice)  # [B] target ids
             drafts.append(draft)
             if i + 1 < k:  # fed back with the drafter's own hidden state, at the next position
                 self.cache.append(torch.ones(B, 1, dtype=torch.bool, device=self.device))
                 logits, hidden, _ = self.drafter.step(draft[:, None], hidden[:, -1:], (self.positions + i)[:, None],
                                                       self.cache)  # fmt: skip
-        return torch.stack(drafts, dim=1).tolist() if drafts else [[] for _ in range(B)]
+        rows_out = torch.stack(drafts, dim=1).tolist() if drafts else [[] for _ in range(B)]
+        if sampling is None:
+            return rows_out, [None] * B
+        return rows_out, [self._over_target_vocab(q) for q in qs]
+
+    def _over_target_vocab(self, qs: list[torch.Tensor]) -> torch.Tensor:
+        """[n] draft-vocabulary distributions -> [n, V] float64 over the target vocabulary."""
+        cfg = self.drafter.config
+        q_target = torch.zeros(len(qs), cfg.vocab_size, dtype=torch.float64)
+        if qs:
+            ids = self.drafter.to_target_ids(torch.arange(cfg.draft_vocab_size, device=self.device)).cpu()
+            q_target[:, ids] = torch.stack(qs)
+        return q_target
 
     def start(self) -> None:
         self._fed = 0
@@ -233,7 +281,7 @@ def batched_speculative_decode(
     while not all(done):
         k_eff = [0 if d else min(k, max_new_tokens - len(o.tokens) - 1) for d, o in zip(done, outs)]
         next_tokens = [s[f - len(a) + 1 : f + 1] for s, f, a in zip(seqs, fed, aux)]
-        drafts = proposer.propose(next_tokens, aux, k)  # [B][k]
+        drafts, _ = proposer.propose(next_tokens, aux, k)  # [B][k]
         rows = [[s[-1], *d] for s, d in zip(seqs, drafts)]
         greedy, new_aux = target.verify(rows)
         kept = []
@@ -250,6 +298,63 @@ def batched_speculative_decode(
             kept.append(1 + a)
             aux.append(new_aux[b, : a + 1])
             new = mine[:a] + [greedy[b][a]]
+            keep = _stop_index(new, max_new_tokens - len(outs[b].tokens), eos_ids)
+            outs[b].tokens += new[:keep]
+            seqs[b] += new[:keep]
+            fed[b] += 1 + a
+            outs[b].proposed.append(len(mine))
+            outs[b].accepted.append(a)
+            done[b] = outs[b].tokens[-1] in eos_ids or len(outs[b].tokens) >= max_new_tokens
+        target.keep(kept, k + 1)
+    _sync(target.device)
+    seconds = time.perf_counter() - start
+    for o in outs:
+        o.seconds = seconds / B
+    return outs
+
+
+def batched_speculative_sample(
+    target: BatchedTarget,
+    proposer: BatchedEagle3Proposer,
+    prompts: Sequence[Sequence[int]],
+    k: int,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    temperature: float,
+    generators: Sequence[torch.Generator],
+) -> list[DecodeResult]:
+    """Chain speculative sampling of every prompt at once: row b draws from generators[b] exactly as
+    `speculative_sample` draws for that request alone (first token, then per step its k_eff drafts,
+    the acceptance tests and the residual or bonus token), so each request's output is its own."""
+    if k < 1:
+        raise DraftflowError(f"draft tokens must be >= 1, got {k}")
+    B = len(prompts)
+    _sync(target.device)
+    start = time.perf_counter()
+    _, aux = target.prefill(prompts)
+    first = [_sample(target_probs(target.last_logits[b], temperature), generators[b]) for b in range(B)]
+    proposer.start()
+    outs = [DecodeResult([t], 0.0) for t in first]
+    seqs = [list(p) + [t] for p, t in zip(prompts, first)]
+    fed = [len(p) for p in prompts]
+    done = [o.tokens[-1] in eos_ids or len(o.tokens) >= max_new_tokens for o in outs]
+    while not all(done):
+        k_eff = [0 if d else min(k, max_new_tokens - len(o.tokens) - 1) for d, o in zip(done, outs)]
+        next_tokens = [s[f - len(a) + 1 : f + 1] for s, f, a in zip(seqs, fed, aux)]
+        drafts, qs = proposer.propose(next_tokens, aux, k, RowSampling(temperature, list(generators), k_eff))
+        logits, new_aux = target.verify_logits([[s[-1], *d] for s, d in zip(seqs, drafts)])  # [B, k+1, V]
+        kept, aux = [], []
+        for b in range(B):
+            if done[b]:
+                kept.append(0)
+                aux.append(new_aux[b, :0])
+                continue
+            mine = drafts[b][: k_eff[b]]
+            p = target_probs(logits[b, : len(mine) + 1], temperature)  # [n+1, V]
+            a, nxt = verify_sampled(p, mine, qs[b][: len(mine)], generators[b])
+            kept.append(1 + a)
+            aux.append(new_aux[b, : a + 1])
+            new = mine[:a] + [nxt]
             keep = _stop_index(new, max_new_tokens - len(outs[b].tokens), eos_ids)
             outs[b].tokens += new[:keep]
             seqs[b] += new[:keep]

@@ -86,7 +86,7 @@ class EvaluateSettings:
     prompts_file: str | None = None
     ngram_max: int = 3
     prompt_lookup: bool = True  # hf engine: also decode with the n-gram baseline (~40% of a job's decoding)
-    batch_size: int = 1  # hf engine, greedy EAGLE-3: requests per forward (`batched`)
+    batch_size: int = 1  # hf engine, EAGLE-3: requests per forward (`batched`)
     device: str = "auto"
     engine: str = "hf"
     temperatures: tuple[float, ...] = (0.0,)  # 0: greedy; > 0: speculative sampling at that temperature
@@ -427,14 +427,14 @@ def run_real(
     reference is plain sampling (the speed baseline). Every request draws from its own generator
     (`request_generator(seed, prompt, turn, method, K)`).
 
-    batch_size > 1, greedy: EAGLE-3 decodes batch_size requests per forward (`batched`: the same
-    tokens and acceptance as one at a time), after the reference pass has fixed every turn's input;
-    its seconds are the batch's time shared among the requests."""
+    batch_size > 1: EAGLE-3 decodes batch_size requests per forward (`batched`: the same tokens,
+    acceptance and, sampling, draws as one at a time), after the reference pass has fixed every
+    turn's input; its seconds are the batch's time shared among the requests."""
     results = {p.name: {k: MethodResult(AcceptanceStats(k)) for k in draft_tokens} for p in proposers}
     greedy = AcceptanceStats(1)
     sampling = temperature > 0
-    batched = [p for p in proposers if isinstance(p, Eagle3Proposer)] if batch_size > 1 and not sampling else []
-    deferred: list[tuple[Prompt, int, list[int], DecodeResult]] = []  # (prompt, turn, ids, reference)
+    batched = [p for p in proposers if isinstance(p, Eagle3Proposer)] if batch_size > 1 else []
+    deferred: list[tuple[int, Prompt, int, list[int], DecodeResult]] = []  # (n, prompt, turn, ids, reference)
     # warm-up (kernels, allocator) so that the first timed method is not penalized
     greedy_decode(target, prompts[0].ids, 4, eos_ids)
     for proposer in proposers:
@@ -453,7 +453,7 @@ def run_real(
             record({"source": prompt.source, "turn": turn, "method": "sampled" if sampling else "greedy",
                     "prompt_tokens": len(ids), "tokens": reference.tokens})  # fmt: skip
             if batched:
-                deferred.append((prompt, turn, list(ids), reference))
+                deferred.append((n, prompt, turn, list(ids), reference))
             for m, proposer in enumerate(proposers, start=1):
                 if proposer in batched:
                     continue
@@ -478,16 +478,22 @@ def run_real(
                 ids = prompt.next_turn(tokenizer, answers)
         progress.update(n, extra=f"{prompt.source}: {len(reference.tokens)} tokens")
     for proposer in batched:
-        _run_batched(target, proposer, deferred, draft_tokens, max_new_tokens, eos_ids, batch_size,
-                     results[proposer.name], record)  # fmt: skip
+        _run_batched(target, proposer, proposers.index(proposer) + 1, deferred, draft_tokens, max_new_tokens,
+                     eos_ids, batch_size, results[proposer.name], record, temperature, seed)  # fmt: skip
     return results, greedy
 
 
-def _run_batched(target: Target, proposer: "Eagle3Proposer", requests: list, draft_tokens: Sequence[int],
+def _run_batched(target: Target, proposer: "Eagle3Proposer", m: int, requests: list, draft_tokens: Sequence[int],
                  max_new_tokens: int, eos_ids: set[int], batch_size: int, results: dict[int, MethodResult],
-                 record) -> None:  # fmt: skip
-    """Every request (prompt, turn, ids, greedy reference) at every K, batch_size at a time."""
-    from draftflow.evaluation.batched import BatchedEagle3Proposer, BatchedTarget, batched_speculative_decode
+                 record, temperature: float, seed: int) -> None:  # fmt: skip
+    """Every request (n, prompt, turn, ids, reference) at every K, batch_size at a time; sampling,
+    each with the generator `run_real` would give it alone (proposer number m)."""
+    from draftflow.evaluation.batched import (
+        BatchedEagle3Proposer,
+        BatchedTarget,
+        batched_speculative_decode,
+        batched_speculative_sample,
+    )
 
     batched_target = BatchedTarget(target.model, target.aux_layer_ids)
     try:
@@ -495,11 +501,19 @@ def _run_batched(target: Target, proposer: "Eagle3Proposer", requests: list, dra
             r = results[k]
             for start in range(0, len(requests), batch_size):
                 chunk = requests[start : start + batch_size]
-                outs = batched_speculative_decode(batched_target, BatchedEagle3Proposer(proposer.drafter, len(chunk)),
-                                                  [ids for _, _, ids, _ in chunk], k, max_new_tokens, eos_ids)  # fmt: skip
-                for (prompt, turn, _, reference), out in zip(chunk, outs):
+                drafting = BatchedEagle3Proposer(proposer.drafter, len(chunk))
+                prompts = [ids for _, _, _, ids, _ in chunk]
+                if temperature > 0:
+                    generators = [request_generator(seed, n, turn, m, k) for n, _, turn, _, _ in chunk]
+                    outs = batched_speculative_sample(batched_target, drafting, prompts, k, max_new_tokens, eos_ids,
+                                                      temperature, generators)  # fmt: skip
+                else:
+                    outs = batched_speculative_decode(batched_target, drafting, prompts, k, max_new_tokens, eos_ids)
+                for (_, prompt, turn, _, reference), out in zip(chunk, outs):
                     r.prompts += 1
-                    if out.tokens == reference.tokens:
+                    if temperature > 0:
+                        r.matches_greedy = None
+                    elif out.tokens == reference.tokens:
                         r.matches_greedy += 1
                     else:  # a floating-point tie flipped between batched and single-request forwards
                         log.warning("%s K=%d (batched): output differs from greedy on %s", proposer.name, k, prompt.source)
