@@ -118,7 +118,7 @@ def test_batched_decoding_is_each_request_decoded_alone(trained, k):
 def test_batched_sampling_is_each_request_sampled_alone(trained, k):
     """Speculative sampling at T = 1, batched: each row draws from its own generator in the order a
     lone request draws, so every request's tokens and acceptance equal `speculative_sample`'s."""
-    from draftflow.evaluation.batched import BatchedEagle3Proposer, BatchedTarget, batched_speculative_sample
+    from draftflow.evaluation.batched import BatchedEagle3Proposer, BatchedTarget, RowSampling, batched_speculative_decode
     from draftflow.evaluation.speculative import speculative_sample
 
     model, drafter, target, _, prompts, _, _ = trained
@@ -127,14 +127,36 @@ def test_batched_sampling_is_each_request_sampled_alone(trained, k):
              for p, g in zip(prompts, generators())]  # fmt: skip
     batched_target = BatchedTarget(model, AUX)
     try:
-        together = batched_speculative_sample(batched_target, BatchedEagle3Proposer(drafter, len(prompts)), prompts,
-                                              k, NEW, set(), 1.0, generators())  # fmt: skip
+        together = batched_speculative_decode(batched_target, BatchedEagle3Proposer(drafter, len(prompts)), prompts,
+                                              k, NEW, set(), RowSampling(1.0, generators()))  # fmt: skip
     finally:
         batched_target.close()
     assert [o.tokens for o in together] == [o.tokens for o in alone]
     assert [(o.proposed, o.accepted) for o in together] == [(o.proposed, o.accepted) for o in alone]
     assert sum(map(sum, (o.accepted for o in alone))) > len(prompts)  # drafts were accepted, and rejected:
     assert any(a < p for o in alone for p, a in zip(o.proposed, o.accepted))  # both branches of the test ran
+
+
+def test_batched_reference_is_each_request_decoded_alone(trained):
+    """The plain reference decode, batched: greedy rows equal `greedy_decode` (an EOS ends some rows
+    early), sampled rows equal `sample_decode` with the same generators."""
+    from draftflow.evaluation.batched import BatchedTarget, RowSampling, batched_reference
+    from draftflow.evaluation.speculative import sample_decode
+
+    model, _, target, _, prompts, references, _ = trained
+    eos = {references[0].tokens[len(references[0].tokens) // 2]}
+    generators = lambda: [torch.Generator().manual_seed(200 + i) for i in range(len(prompts))]  # noqa: E731
+    greedy_alone = [greedy_decode(target, p, NEW, eos).tokens for p in prompts]
+    sampled_alone = [sample_decode(target, p, NEW, eos, 1.0, g).tokens for p, g in zip(prompts, generators())]
+    batched_target = BatchedTarget(model, AUX)
+    try:
+        greedy_together = [o.tokens for o in batched_reference(batched_target, prompts, NEW, eos)]
+        sampled_together = [o.tokens for o in batched_reference(batched_target, prompts, NEW, eos,
+                                                                RowSampling(1.0, generators()))]  # fmt: skip
+    finally:
+        batched_target.close()
+    assert greedy_together == greedy_alone and sampled_together == sampled_alone
+    assert len({len(t) for t in greedy_alone}) > 1 and sampled_alone != greedy_alone
 
 
 def test_simulated_acceptance_is_what_training_reports(trained):

@@ -14,9 +14,9 @@ valid slots, so rotary embeddings see exactly the positions of the unbatched dec
     step  rows b:  [t_b, d_b1 .. d_bk]        one target forward for all rows
           keep     1 + a_b slots of row b      a_b = accepted drafts (≤ the row's k_eff)
 
-EAGLE-3 chains are batched, greedy (`batched_speculative_decode`) and sampled
-(`batched_speculative_sample`: each row draws from its own generator in the order a lone request
-draws); the greedy reference, prompt lookup and DFlash decode one request at a time (`speculative`).
+Batched: the plain reference decode (`batched_reference`) and EAGLE-3 chains, greedy and sampled
+(`batched_speculative_decode`; sampling, each row draws from its own generator in the order a lone
+request draws); prompt lookup and DFlash decode one request at a time (`speculative`).
 """
 
 from __future__ import annotations
@@ -132,14 +132,8 @@ class BatchedTarget:
         return self.last_logits.argmax(-1).tolist(), [aux[b, : len(p)] for b, p in enumerate(prompts)]
 
     @torch.inference_mode()
-    def verify(self, rows: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
-        """rows[b] = [t_b, d_b1 .. d_bS-1] (equal lengths) -> (greedy after each, aux [B, S, n_aux, H])."""
-        logits, aux = self.verify_logits(rows)
-        return logits.argmax(-1).tolist(), aux
-
-    @torch.inference_mode()
     def verify_logits(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `verify`, with the next-token logits [B, S, V] instead of their argmax."""
+        """rows[b] = [t_b, d_b1 .. d_bS-1] (equal lengths) -> (next-token logits [B, S, V], aux [B, S, n_aux, H])."""
         ids = torch.tensor(rows, dtype=torch.long, device=self.device)  # [B, S]
         S = ids.shape[1]
         positions = self.lengths[:, None] + torch.arange(S, device=self.device)[None]
@@ -256,56 +250,37 @@ class BatchedEagle3Proposer:
         self._fed = 0
 
 
-def batched_speculative_decode(
+def batched_reference(
     target: BatchedTarget,
-    proposer: BatchedEagle3Proposer,
     prompts: Sequence[Sequence[int]],
-    k: int,
     max_new_tokens: int,
     eos_ids: set[int],
+    sampling: RowSampling | None = None,
 ) -> list[DecodeResult]:
-    """Greedy chain speculative decoding of every prompt at once; per prompt the DecodeResult of
-    `speculative_decode` (tokens, drafts proposed and accepted per verify step). seconds: the batch's
-    wall time shared equally (a throughput figure, not one request's latency)."""
-    if k < 1:
-        raise DraftflowError(f"draft tokens must be >= 1, got {k}")
+    """Plain decoding of every prompt at once: greedy (each row's tokens those of `greedy_decode`)
+    or, with `sampling`, each row drawing from its own generator as `sample_decode` draws alone."""
     B = len(prompts)
     _sync(target.device)
     start = time.perf_counter()
-    first, aux = target.prefill(prompts)
-    proposer.start()
-    outs = [DecodeResult([t], 0.0) for t in first]
-    seqs = [list(p) + [t] for p, t in zip(prompts, first)]
-    fed = [len(p) for p in prompts]  # target positions each row's drafter has seen
-    done = [o.tokens[-1] in eos_ids or len(o.tokens) >= max_new_tokens for o in outs]
-    while not all(done):
-        k_eff = [0 if d else min(k, max_new_tokens - len(o.tokens) - 1) for d, o in zip(done, outs)]
-        next_tokens = [s[f - len(a) + 1 : f + 1] for s, f, a in zip(seqs, fed, aux)]
-        drafts, _ = proposer.propose(next_tokens, aux, k)  # [B][k]
-        rows = [[s[-1], *d] for s, d in zip(seqs, drafts)]
-        greedy, new_aux = target.verify(rows)
-        kept = []
-        aux = []
+    target.prefill(prompts)
+    logits = target.last_logits  # [B, V]
+    outs = [DecodeResult([], 0.0) for _ in range(B)]
+    done = [False] * B
+    while True:
         for b in range(B):
             if done[b]:
-                kept.append(0)
-                aux.append(new_aux[b, :0])
                 continue
-            mine = drafts[b][: k_eff[b]]
-            a = 0
-            while a < len(mine) and mine[a] == greedy[b][a]:
-                a += 1
-            kept.append(1 + a)
-            aux.append(new_aux[b, : a + 1])
-            new = mine[:a] + [greedy[b][a]]
-            keep = _stop_index(new, max_new_tokens - len(outs[b].tokens), eos_ids)
-            outs[b].tokens += new[:keep]
-            seqs[b] += new[:keep]
-            fed[b] += 1 + a
-            outs[b].proposed.append(len(mine))
-            outs[b].accepted.append(a)
-            done[b] = outs[b].tokens[-1] in eos_ids or len(outs[b].tokens) >= max_new_tokens
-        target.keep(kept, k + 1)
+            if sampling is None:
+                token = int(logits[b].argmax())
+            else:
+                token = _sample(target_probs(logits[b], sampling.temperature), sampling.generators[b])
+            outs[b].tokens.append(token)
+            done[b] = token in eos_ids or len(outs[b].tokens) >= max_new_tokens
+        if all(done):
+            break
+        step, _ = target.verify_logits([[o.tokens[-1]] for o in outs])  # [B, 1, V]; finished rows feed filler
+        target.keep([0 if d else 1 for d in done], 1)
+        logits = step[:, 0]
     _sync(target.device)
     seconds = time.perf_counter() - start
     for o in outs:
@@ -313,36 +288,44 @@ def batched_speculative_decode(
     return outs
 
 
-def batched_speculative_sample(
+def batched_speculative_decode(
     target: BatchedTarget,
     proposer: BatchedEagle3Proposer,
     prompts: Sequence[Sequence[int]],
     k: int,
     max_new_tokens: int,
     eos_ids: set[int],
-    temperature: float,
-    generators: Sequence[torch.Generator],
+    sampling: RowSampling | None = None,
 ) -> list[DecodeResult]:
-    """Chain speculative sampling of every prompt at once: row b draws from generators[b] exactly as
-    `speculative_sample` draws for that request alone (first token, then per step its k_eff drafts,
-    the acceptance tests and the residual or bonus token), so each request's output is its own."""
+    """Chain speculative decoding of every prompt at once; per prompt the DecodeResult that
+    `speculative_decode` (greedy) gives it alone, or with `sampling` `speculative_sample`: row b
+    draws from its own generator in the order a lone request draws (first token, then per step its
+    k_eff drafts, the acceptance tests and the residual or bonus token). seconds: the batch's wall
+    time shared equally (a throughput figure, not one request's latency)."""
+    if sampling is not None and sampling.temperature <= 0:
+        raise DraftflowError(f"speculative sampling needs a temperature > 0, got {sampling.temperature}")
     if k < 1:
         raise DraftflowError(f"draft tokens must be >= 1, got {k}")
     B = len(prompts)
     _sync(target.device)
     start = time.perf_counter()
-    _, aux = target.prefill(prompts)
-    first = [_sample(target_probs(target.last_logits[b], temperature), generators[b]) for b in range(B)]
+    first, aux = target.prefill(prompts)
+    if sampling is not None:
+        first = [_sample(target_probs(target.last_logits[b], sampling.temperature), sampling.generators[b])
+                 for b in range(B)]  # fmt: skip
     proposer.start()
     outs = [DecodeResult([t], 0.0) for t in first]
-    seqs = [list(p) + [t] for p, t in zip(prompts, first)]
-    fed = [len(p) for p in prompts]
+    seqs = [list(p) + [t] for p, t in zip(prompts, first)]  # each ends with the token the target has not read
+    fed = [len(p) for p in prompts]  # target positions each row has verified (and its drafter has seen)
     done = [o.tokens[-1] in eos_ids or len(o.tokens) >= max_new_tokens for o in outs]
     while not all(done):
         k_eff = [0 if d else min(k, max_new_tokens - len(o.tokens) - 1) for d, o in zip(done, outs)]
         next_tokens = [s[f - len(a) + 1 : f + 1] for s, f, a in zip(seqs, fed, aux)]
-        drafts, qs = proposer.propose(next_tokens, aux, k, RowSampling(temperature, list(generators), k_eff))
+        if sampling is not None:
+            sampling.k_eff = k_eff
+        drafts, qs = proposer.propose(next_tokens, aux, k, sampling)  # [B][k]
         logits, new_aux = target.verify_logits([[s[-1], *d] for s, d in zip(seqs, drafts)])  # [B, k+1, V]
+        greedy = logits.argmax(-1).tolist() if sampling is None else None
         kept, aux = [], []
         for b in range(B):
             if done[b]:
@@ -350,8 +333,14 @@ def batched_speculative_sample(
                 aux.append(new_aux[b, :0])
                 continue
             mine = drafts[b][: k_eff[b]]
-            p = target_probs(logits[b, : len(mine) + 1], temperature)  # [n+1, V]
-            a, nxt = verify_sampled(p, mine, qs[b][: len(mine)], generators[b])
+            if sampling is None:
+                a = 0
+                while a < len(mine) and mine[a] == greedy[b][a]:
+                    a += 1
+                nxt = greedy[b][a]
+            else:
+                p = target_probs(logits[b, : len(mine) + 1], sampling.temperature)  # [n+1, V]
+                a, nxt = verify_sampled(p, mine, qs[b][: len(mine)], sampling.generators[b])
             kept.append(1 + a)
             aux.append(new_aux[b, : a + 1])
             new = mine[:a] + [nxt]

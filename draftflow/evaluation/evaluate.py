@@ -427,18 +427,14 @@ def run_real(
     reference is plain sampling (the speed baseline). Every request draws from its own generator
     (`request_generator(seed, prompt, turn, method, K)`).
 
-    batch_size > 1: EAGLE-3 decodes batch_size requests per forward (`batched`: the same tokens,
-    acceptance and, sampling, draws as one at a time), after the reference pass has fixed every
-    turn's input; its seconds are the batch's time shared among the requests."""
+    batch_size > 1: `_run_real_batched`."""
+    if batch_size > 1:
+        return _run_real_batched(target, proposers, prompts, draft_tokens, max_new_tokens, eos_ids, tokenizer,
+                                 outputs, temperature, seed, batch_size)  # fmt: skip
     results = {p.name: {k: MethodResult(AcceptanceStats(k)) for k in draft_tokens} for p in proposers}
     greedy = AcceptanceStats(1)
     sampling = temperature > 0
-    batched = [p for p in proposers if isinstance(p, Eagle3Proposer)] if batch_size > 1 else []
-    deferred: list[tuple[int, Prompt, int, list[int], DecodeResult]] = []  # (n, prompt, turn, ids, reference)
-    # warm-up (kernels, allocator) so that the first timed method is not penalized
-    greedy_decode(target, prompts[0].ids, 4, eos_ids)
-    for proposer in proposers:
-        speculative_decode(target, proposer, prompts[0].ids, max(draft_tokens), 4, eos_ids)
+    _warm_up(target, proposers, prompts, draft_tokens, eos_ids)
     record = outputs.append if outputs is not None else (lambda r: None)
     progress = Progress(len(prompts), "prompts", every_s=10.0, logger=log)
     for n, prompt in enumerate(prompts, start=1):
@@ -450,79 +446,126 @@ def run_real(
             else:
                 reference = greedy_decode(target, ids, max_new_tokens, eos_ids)
             greedy.add(reference)
-            record({"source": prompt.source, "turn": turn, "method": "sampled" if sampling else "greedy",
-                    "prompt_tokens": len(ids), "tokens": reference.tokens})  # fmt: skip
-            if batched:
-                deferred.append((n, prompt, turn, list(ids), reference))
+            record(_reference_record(prompt, turn, ids, reference, sampling))
             for m, proposer in enumerate(proposers, start=1):
-                if proposer in batched:
-                    continue
                 for k in draft_tokens:
-                    r = results[proposer.name][k]
-                    r.prompts += 1
-                    if sampling:
-                        g = request_generator(seed, n, turn, m, k)
-                        out = speculative_sample(target, proposer, ids, k, max_new_tokens, eos_ids, temperature, g)
-                        r.matches_greedy = None
-                    else:
-                        out = speculative_decode(target, proposer, ids, k, max_new_tokens, eos_ids)
-                        if out.tokens == reference.tokens:
-                            r.matches_greedy += 1
-                        else:  # a floating-point tie flipped between a (k+1)-token and a 1-token forward
-                            log.warning("%s K=%d: output differs from greedy on %s", proposer.name, k, prompt.source)
-                    r.stats.add(out)
-                    record({"source": prompt.source, "turn": turn, "method": proposer.name, "draft_tokens": k,
-                            "tokens": out.tokens, "proposed": out.proposed, "accepted": out.accepted})  # fmt: skip
+                    _decode_request(target, proposer, (n, prompt, turn, ids, reference), m, k, max_new_tokens,
+                                    eos_ids, temperature, seed, results[proposer.name][k], record)  # fmt: skip
             if turn < prompt.turns:
                 answers.append(tokenizer.decode(reference.tokens, skip_special_tokens=True))
                 ids = prompt.next_turn(tokenizer, answers)
         progress.update(n, extra=f"{prompt.source}: {len(reference.tokens)} tokens")
-    for proposer in batched:
-        _run_batched(target, proposer, proposers.index(proposer) + 1, deferred, draft_tokens, max_new_tokens,
-                     eos_ids, batch_size, results[proposer.name], record, temperature, seed)  # fmt: skip
     return results, greedy
 
 
-def _run_batched(target: Target, proposer: "Eagle3Proposer", m: int, requests: list, draft_tokens: Sequence[int],
-                 max_new_tokens: int, eos_ids: set[int], batch_size: int, results: dict[int, MethodResult],
-                 record, temperature: float, seed: int) -> None:  # fmt: skip
-    """Every request (n, prompt, turn, ids, reference) at every K, batch_size at a time; sampling,
-    each with the generator `run_real` would give it alone (proposer number m)."""
-    from draftflow.evaluation.batched import (
-        BatchedEagle3Proposer,
-        BatchedTarget,
-        batched_speculative_decode,
-        batched_speculative_sample,
-    )
+def _warm_up(target: Target, proposers, prompts, draft_tokens, eos_ids) -> None:
+    """Kernels and allocator, so that the first timed method is not penalized."""
+    greedy_decode(target, prompts[0].ids, 4, eos_ids)
+    for proposer in proposers:
+        speculative_decode(target, proposer, prompts[0].ids, max(draft_tokens), 4, eos_ids)
 
+
+def _reference_record(prompt: Prompt, turn: int, ids, reference: DecodeResult, sampling: bool) -> dict:
+    return {"source": prompt.source, "turn": turn, "method": "sampled" if sampling else "greedy",
+            "prompt_tokens": len(ids), "tokens": reference.tokens}  # fmt: skip
+
+
+def _count(r: MethodResult, proposer_name: str, request: tuple, k: int, out: DecodeResult, sampling: bool,
+           record) -> None:  # fmt: skip
+    """One decoded request into its method's figures and outputs.jsonl."""
+    _, prompt, turn, _, reference = request
+    r.prompts += 1
+    if sampling:
+        r.matches_greedy = None
+    elif out.tokens == reference.tokens:
+        r.matches_greedy += 1
+    else:  # a floating-point tie flipped between a (k+1)-token (or batched) and a 1-token forward
+        log.warning("%s K=%d: output differs from greedy on %s", proposer_name, k, prompt.source)
+    r.stats.add(out)
+    record({"source": prompt.source, "turn": turn, "method": proposer_name, "draft_tokens": k,
+            "tokens": out.tokens, "proposed": out.proposed, "accepted": out.accepted})  # fmt: skip
+
+
+def _decode_request(target: Target, proposer: Proposer, request: tuple, m: int, k: int, max_new_tokens: int,
+                    eos_ids: set[int], temperature: float, seed: int, r: MethodResult, record) -> None:  # fmt: skip
+    """One request (n, prompt, turn, ids, reference) with proposer number m at K = k, alone."""
+    n, _, turn, ids, _ = request
+    if temperature > 0:
+        g = request_generator(seed, n, turn, m, k)
+        out = speculative_sample(target, proposer, ids, k, max_new_tokens, eos_ids, temperature, g)
+    else:
+        out = speculative_decode(target, proposer, ids, k, max_new_tokens, eos_ids)
+    _count(r, proposer.name, request, k, out, temperature > 0, record)
+
+
+def _run_real_batched(target: Target, proposers: Sequence[Proposer], prompts: Sequence[Prompt],
+                      draft_tokens: Sequence[int], max_new_tokens: int, eos_ids: set[int], tokenizer,
+                      outputs: list[dict] | None, temperature: float, seed: int,
+                      batch_size: int) -> tuple[dict[str, dict[int, MethodResult]], AcceptanceStats]:  # fmt: skip
+    """`run_real` with batch_size requests per forward (`batched`) for the references, turn by turn
+    (a later turn's input holds the earlier reference answer), and for EAGLE-3; prompt lookup and
+    DFlash then decode each request alone. Every request's tokens, acceptance and (sampling) draws
+    are those of batch 1; seconds are each batch's time shared among its requests, so speedup
+    compares batched decoding with batched plain decoding."""
+    from draftflow.evaluation.batched import BatchedTarget, RowSampling, batched_reference
+
+    results = {p.name: {k: MethodResult(AcceptanceStats(k)) for k in draft_tokens} for p in proposers}
+    greedy = AcceptanceStats(1)
+    sampling = temperature > 0
+    _warm_up(target, proposers, prompts, draft_tokens, eos_ids)
+    record = outputs.append if outputs is not None else (lambda r: None)
+    requests: list[tuple[int, Prompt, int, list[int], DecodeResult]] = []  # (n, prompt, turn, ids, reference)
     batched_target = BatchedTarget(target.model, target.aux_layer_ids)
     try:
-        for k in draft_tokens:
-            r = results[k]
-            for start in range(0, len(requests), batch_size):
-                chunk = requests[start : start + batch_size]
-                drafting = BatchedEagle3Proposer(proposer.drafter, len(chunk))
-                prompts = [ids for _, _, _, ids, _ in chunk]
-                if temperature > 0:
-                    generators = [request_generator(seed, n, turn, m, k) for n, _, turn, _, _ in chunk]
-                    outs = batched_speculative_sample(batched_target, drafting, prompts, k, max_new_tokens, eos_ids,
-                                                      temperature, generators)  # fmt: skip
-                else:
-                    outs = batched_speculative_decode(batched_target, drafting, prompts, k, max_new_tokens, eos_ids)
-                for (_, prompt, turn, _, reference), out in zip(chunk, outs):
-                    r.prompts += 1
-                    if temperature > 0:
-                        r.matches_greedy = None
-                    elif out.tokens == reference.tokens:
-                        r.matches_greedy += 1
-                    else:  # a floating-point tie flipped between batched and single-request forwards
-                        log.warning("%s K=%d (batched): output differs from greedy on %s", proposer.name, k, prompt.source)
-                    r.stats.add(out)
-                    record({"source": prompt.source, "turn": turn, "method": proposer.name, "draft_tokens": k,
-                            "tokens": out.tokens, "proposed": out.proposed, "accepted": out.accepted})  # fmt: skip
-            log.info("%s K=%d: %d requests decoded %d at a time", proposer.name, k, len(requests), batch_size)
+        inputs = {n: (list(p.ids), []) for n, p in enumerate(prompts, start=1)}  # n -> (ids, answers so far)
+        for turn in range(1, max(p.turns for p in prompts) + 1):
+            due = [n for n, p in enumerate(prompts, start=1) if p.turns >= turn]
+            for start in range(0, len(due), batch_size):
+                chunk = due[start : start + batch_size]
+                rows = RowSampling(temperature, [request_generator(seed, n, turn, 0, 0) for n in chunk]) if sampling else None
+                refs = batched_reference(batched_target, [inputs[n][0] for n in chunk], max_new_tokens, eos_ids, rows)
+                for n, reference in zip(chunk, refs):
+                    prompt, ids = prompts[n - 1], inputs[n][0]
+                    greedy.add(reference)
+                    record(_reference_record(prompt, turn, ids, reference, sampling))
+                    requests.append((n, prompt, turn, ids, reference))
+                    if turn < prompt.turns:
+                        answers = inputs[n][1] + [tokenizer.decode(reference.tokens, skip_special_tokens=True)]
+                        inputs[n] = (prompt.next_turn(tokenizer, answers), answers)
+            log.info("references of turn %d: %d requests decoded %d at a time", turn, len(due), batch_size)
+        for m, proposer in enumerate(proposers, start=1):
+            if isinstance(proposer, Eagle3Proposer):
+                _run_batched(batched_target, proposer, m, requests, draft_tokens, max_new_tokens, eos_ids, batch_size,
+                             results[proposer.name], record, temperature, seed)  # fmt: skip
+                continue
+            for request in requests:
+                for k in draft_tokens:
+                    _decode_request(target, proposer, request, m, k, max_new_tokens, eos_ids, temperature, seed,
+                                    results[proposer.name][k], record)  # fmt: skip
     finally:
         batched_target.close()
+    return results, greedy
+
+
+def _run_batched(batched_target, proposer: Eagle3Proposer, m: int, requests: list, draft_tokens: Sequence[int],
+                 max_new_tokens: int, eos_ids: set[int], batch_size: int, results: dict[int, MethodResult],
+                 record, temperature: float, seed: int) -> None:  # fmt: skip
+    """EAGLE-3 on every request (n, prompt, turn, ids, reference) at every K, batch_size at a time;
+    sampling, each with the generator `run_real` would give it alone (proposer number m)."""
+    from draftflow.evaluation.batched import BatchedEagle3Proposer, RowSampling, batched_speculative_decode
+
+    for k in draft_tokens:
+        for start in range(0, len(requests), batch_size):
+            chunk = requests[start : start + batch_size]
+            drafting = BatchedEagle3Proposer(proposer.drafter, len(chunk))
+            prompts = [ids for _, _, _, ids, _ in chunk]
+            rows = None
+            if temperature > 0:
+                rows = RowSampling(temperature, [request_generator(seed, n, turn, m, k) for n, _, turn, _, _ in chunk])
+            outs = batched_speculative_decode(batched_target, drafting, prompts, k, max_new_tokens, eos_ids, rows)
+            for request, out in zip(chunk, outs):
+                _count(results[k], proposer.name, request, k, out, temperature > 0, record)
+        log.info("%s K=%d: %d requests decoded %d at a time", proposer.name, k, len(requests), batch_size)
 
 
 # ---------------------------------------------------------------- the per-set table
