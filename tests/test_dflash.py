@@ -295,6 +295,44 @@ def test_block_decoding_equals_greedy_on_many_prompts(trained):
     assert accepted > 100  # the accept path ran, not only rejections
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batched_blocks_are_each_request_decoded_alone(trained, temperature):
+    """evaluate.batch_size for DFlash: 24 prompts of different lengths in one batch, at K below,
+    at and above the block's B-1 drafts: every request's tokens and acceptance equal decoding it
+    alone, greedy or sampled (each row's generator drawn as a lone request draws)."""
+    from draftflow.evaluation.batched import (
+        BatchedDFlashProposer,
+        BatchedTarget,
+        RowSampling,
+        batched_speculative_decode,
+    )
+    from draftflow.evaluation.speculative import speculative_sample
+
+    model, drafter = trained["model"], trained["drafter"]
+    prompts = trained["prompts"] + random_prompts(12, model.config.vocab_size, seed=11)
+    generators = lambda: [torch.Generator().manual_seed(300 + i) for i in range(len(prompts))]  # noqa: E731
+    target, batched = Target(model, IDS), BatchedTarget(model, IDS)
+    accepted = 0
+    try:
+        for k in (1, BLOCK - 1, 7):
+            if temperature == 0:
+                alone = [speculative_decode(target, DFlashProposer(drafter), p, k, 24, set()) for p in prompts]
+                rows = None
+            else:
+                alone = [speculative_sample(target, DFlashProposer(drafter), p, k, 24, set(), temperature, g)
+                         for p, g in zip(prompts, generators())]  # fmt: skip
+                rows = RowSampling(temperature, generators())
+            together = batched_speculative_decode(batched, BatchedDFlashProposer(drafter, len(prompts)), prompts,
+                                                  k, 24, set(), rows)  # fmt: skip
+            assert [o.tokens for o in together] == [o.tokens for o in alone], k
+            assert [(o.proposed, o.accepted) for o in together] == [(o.proposed, o.accepted) for o in alone], k
+            accepted += sum(map(sum, (o.accepted for o in alone)))
+    finally:
+        target.close()
+        batched.close()
+    assert accepted > 50  # blocks were accepted, not only rejected
+
+
 def test_fitted_drafter_beats_prompt_lookup_on_its_prompts(trained):
     model, drafter = trained["model"], trained["drafter"]
     target = Target(model, IDS)

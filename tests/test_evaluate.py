@@ -517,6 +517,19 @@ def test_evaluate_stage_with_a_dflash_drafter(stage_inputs, tmp_path):
     with open(tmp_path / "eval" / "acceptance.csv") as f:
         rows = [(r["method"], r["measured"], r["draft_tokens"]) for r in csv.DictReader(f)]
     assert rows[0] == ("dflash", "simulated", "4") and ("ngram", "real", "4") in rows
+    # batched (evaluate.batch_size): the same per-set figures at both temperatures
+    assert cli_main([
+        "evaluate", "--drafter", str(tmp / "dflash"), "--target", str(tmp / "target"),
+        "--eval-ranges", str(range_dir), "--eval-data", str(tmp / "merged" / "eval.jsonl"),
+        "--settings", json.dumps({**settings, "batch_size": 2}), "--output-dir", str(tmp_path / "batched"),
+    ]) == 0  # fmt: skip
+    batched = json.loads((tmp_path / "batched" / "acceptance.json").read_text())
+
+    def figures(rep):
+        return [(r["prompt_set"], r["method"], r["temperature"], r["draft_tokens"], r["acceptance_length"], r["alpha"],
+                 r.get("verify_steps"), r.get("matches_greedy")) for r in rep["per_set"] if r["method"] != "baseline"]  # fmt: skip
+
+    assert figures(batched) == figures(report)
     # T = 1: speculative sampling with sampled blocks; simulated: the expected acceptance per row
     sampled = report["temperatures"]["1"]
     assert sampled["simulated"]["samples"] == len(records)

@@ -14,9 +14,9 @@ valid slots, so rotary embeddings see exactly the positions of the unbatched dec
     step  rows b:  [t_b, d_b1 .. d_bk]        one target forward for all rows
           keep     1 + a_b slots of row b      a_b = accepted drafts (≤ the row's k_eff)
 
-Batched: the plain reference decode (`batched_reference`) and EAGLE-3 chains, greedy and sampled
-(`batched_speculative_decode`; sampling, each row draws from its own generator in the order a lone
-request draws); prompt lookup and DFlash decode one request at a time (`speculative`).
+Batched: the plain reference decode (`batched_reference`), EAGLE-3 chains and DFlash blocks, greedy
+and sampled (`batched_speculative_decode`; sampling, each row draws from its own generator in the
+order a lone request draws); prompt lookup decodes one request at a time (`speculative`).
 """
 
 from __future__ import annotations
@@ -250,6 +250,76 @@ class BatchedEagle3Proposer:
         self._fed = 0
 
 
+class MaskedContextCache(AttentionCache):
+    """DFlash's batched context cache: the projected keys/values of every verified position, rows
+    padded to one length with a [B, C] mask of the real ones; a block sees the valid context and
+    all of itself (bidirectional within the block, as `dflash.ContextCache`)."""
+
+    def __init__(self, num_layers: int, batch: int, device):
+        self.k: list[torch.Tensor | None] = [None] * num_layers  # [B, heads, C, d]
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]], new_valid: torch.Tensor) -> None:
+        for i, (k, v) in enumerate(kv):
+            self.k[i] = k if self.k[i] is None else torch.cat([self.k[i], k], dim=2)
+            self.v[i] = v if self.v[i] is None else torch.cat([self.v[i], v], dim=2)
+        self.valid = torch.cat([self.valid, new_valid], dim=1)
+
+    def attend(self, layer, q, k, v):
+        sees = torch.cat([self.valid, torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)], dim=1)
+        k, v = torch.cat([self.k[layer], k], dim=2), torch.cat([self.v[layer], v], dim=2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=sees[:, None, None, :])  # [B, 1, 1, C + bs]
+
+
+class BatchedDFlashProposer:
+    """DFlash blocks for B rows at once (the batched form of `speculative.DFlashProposer`): one
+    forward drafts every row's block from its verified positions' context."""
+
+    def __init__(self, drafter, batch: int):
+        self.drafter = drafter.eval()
+        self.device = drafter.fc.weight.device
+        self.cache = MaskedContextCache(drafter.num_layers, batch, self.device)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)  # target positions fed per row
+
+    def start(self) -> None:
+        pass
+
+    @torch.inference_mode()
+    def propose(self, next_tokens: list[list[int]], new_aux: list[torch.Tensor], k: int,
+                sampling: RowSampling | None = None) -> tuple[list[list[int]], list[torch.Tensor | None]]:  # fmt: skip
+        """As `BatchedEagle3Proposer.propose`; next_tokens[b][-1] is row b's last emitted token, the
+        block's first. Drafts per row: min(k, block_size - 1); sampling draws row b's first k_eff[b]
+        from its generator in one call, as `DFlashProposer.propose_sampled` does alone."""
+        d = self.drafter
+        B = len(new_aux)
+        S = max(1, max(a.shape[0] for a in new_aux))
+        aux = torch.zeros(B, S, *new_aux[0].shape[1:], dtype=new_aux[0].dtype, device=self.device)
+        counts = torch.tensor([a.shape[0] for a in new_aux], device=self.device)
+        for b, a in enumerate(new_aux):
+            aux[b, : a.shape[0]] = a.to(self.device)
+        positions = self.positions[:, None] + torch.arange(S, device=self.device)[None]  # [B, S]
+        self.cache.append(d.context_kv(d.context(aux), positions), torch.arange(S, device=self.device)[None] < counts[:, None])
+        self.positions += counts
+        bs = d.block_size
+        ids = torch.full((B, bs), d.config.mask_token_id, dtype=torch.long, device=self.device)
+        ids[:, 0] = torch.tensor([t[-1] if t else 0 for t in next_tokens], device=self.device)
+        block_positions = self.positions[:, None] + torch.arange(bs, device=self.device)[None]
+        n = min(k, bs - 1)
+        logits = d.draft(ids, block_positions, self.cache)[:, 1 : 1 + n]  # [B, n, V]
+        drafts = logits.argmax(-1).tolist()
+        if sampling is None:
+            return drafts, [None] * B
+        qs = []
+        for b in range(B):
+            m = min(sampling.k_eff[b], n)
+            q = torch.softmax(logits[b, :m].double().cpu() / sampling.temperature, -1)  # [m, V]
+            if m:
+                drafts[b][:m] = torch.multinomial(q, 1, generator=sampling.generators[b])[:, 0].tolist()
+            qs.append(q)
+        return drafts, qs
+
+
 def batched_reference(
     target: BatchedTarget,
     prompts: Sequence[Sequence[int]],
@@ -290,7 +360,7 @@ def batched_reference(
 
 def batched_speculative_decode(
     target: BatchedTarget,
-    proposer: BatchedEagle3Proposer,
+    proposer: "BatchedEagle3Proposer | BatchedDFlashProposer",
     prompts: Sequence[Sequence[int]],
     k: int,
     max_new_tokens: int,
@@ -324,7 +394,8 @@ def batched_speculative_decode(
         if sampling is not None:
             sampling.k_eff = k_eff
         drafts, qs = proposer.propose(next_tokens, aux, k, sampling)  # [B][k]
-        logits, new_aux = target.verify_logits([[s[-1], *d] for s, d in zip(seqs, drafts)])  # [B, k+1, V]
+        rows = [[s[-1], *d] for s, d in zip(seqs, drafts)]  # drafts: k (EAGLE-3) or min(k, block - 1) (DFlash)
+        logits, new_aux = target.verify_logits(rows)  # [B, len(rows[0]), V]
         greedy = logits.argmax(-1).tolist() if sampling is None else None
         kept, aux = [], []
         for b in range(B):
@@ -351,7 +422,7 @@ def batched_speculative_decode(
             outs[b].proposed.append(len(mine))
             outs[b].accepted.append(a)
             done[b] = outs[b].tokens[-1] in eos_ids or len(outs[b].tokens) >= max_new_tokens
-        target.keep(kept, k + 1)
+        target.keep(kept, len(rows[0]))
     _sync(target.device)
     seconds = time.perf_counter() - start
     for o in outs:
