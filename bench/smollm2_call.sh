@@ -131,7 +131,8 @@ if [ "$mode" = train ] || [ "$mode" = datatrain ] || [ "$mode" = all ]; then
     if [ "$mode" = all ]; then
         python3 bench/smollm2.py evalqueue --work "$W" --seconds $((DEADLINE - $(elapsed) - 5)) --jobs ${JOBS:-14} \
             --jobs-training ${JOBS_TRAINING:-4} --training-flag "$W/training.flag" --device "$DEVICE" \
-            ${SETS:+--sets $SETS} ${TEMPS:+--temps $TEMPS} > "$W/logs-evalqueue.txt" 2>&1 &
+            ${SETS:+--sets $SETS} ${TEMPS:+--temps $TEMPS} ${PROMPT_LOOKUP_WITH:+--prompt-lookup-with "$PROMPT_LOOKUP_WITH"} \
+            > "$W/logs-evalqueue.txt" 2>&1 &
         queue=$!
     fi
     pids=()
