@@ -1,4 +1,4 @@
-"""Greedy chain speculative decoding of many requests at once: EAGLE-3 against a Hugging Face target.
+"""Speculative decoding of many requests at once against a Hugging Face target (EAGLE-3, DFlash).
 
 `speculative.speculative_decode` decodes one request per forward. A small target on a GPU is then
 bound by kernel launches, not arithmetic (SmolLM2-135M: ~5 ms a forward at batch 1 on an H200), and an
@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftflow.drafters.eagle3 import AttentionCache
+from draftflow.drafters.dflash import ContextCache
+from draftflow.drafters.eagle3 import KVCache
 from draftflow.errors import DraftflowError
 from draftflow.evaluation.speculative import (
     DecodeResult,
@@ -150,13 +151,12 @@ class BatchedTarget:
         self.lengths += kept_t
 
 
-class MaskedKVCache(AttentionCache):
+class MaskedKVCache(KVCache):
     """The drafter's batched cache: entries appended for every row, a [B, L] mask of the valid ones;
     new queries see the valid entries and the new ones up to themselves."""
 
     def __init__(self, num_layers: int, batch: int, device):
-        self.k: list[torch.Tensor | None] = [None] * num_layers  # [B, h, L, d]
-        self.v: list[torch.Tensor | None] = [None] * num_layers
+        super().__init__(num_layers)
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
 
     def append(self, new_valid: torch.Tensor) -> None:
@@ -181,13 +181,15 @@ class MaskedKVCache(AttentionCache):
 
 
 class BatchedEagle3Proposer:
-    """EAGLE-3 chains for B rows at once (the batched form of `speculative.Eagle3Proposer`)."""
+    """EAGLE-3 chains for B rows at once (the batched form of `speculative.Eagle3Proposer`); one per
+    batch of requests, from its first verify step to its last."""
 
     def __init__(self, drafter, batch: int):
         self.drafter = drafter.eval()
         self.device = drafter.fc.weight.device
         self.cache = MaskedKVCache(drafter.num_layers, batch, self.device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)  # target positions fed per row
+        self._fed = 0  # cache entries that are target-derived (the rest: the last chain's drafts)
 
     @torch.inference_mode()
     def propose(self, next_tokens: list[list[int]], new_aux: list[torch.Tensor], k: int,
@@ -246,24 +248,18 @@ class BatchedEagle3Proposer:
             q_target[:, ids] = torch.stack(qs)
         return q_target
 
-    def start(self) -> None:
-        self._fed = 0
 
-
-class MaskedContextCache(AttentionCache):
+class MaskedContextCache(ContextCache):
     """DFlash's batched context cache: the projected keys/values of every verified position, rows
     padded to one length with a [B, C] mask of the real ones; a block sees the valid context and
     all of itself (bidirectional within the block, as `dflash.ContextCache`)."""
 
     def __init__(self, num_layers: int, batch: int, device):
-        self.k: list[torch.Tensor | None] = [None] * num_layers  # [B, heads, C, d]
-        self.v: list[torch.Tensor | None] = [None] * num_layers
+        super().__init__(num_layers)
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
 
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]], new_valid: torch.Tensor) -> None:
-        for i, (k, v) in enumerate(kv):
-            self.k[i] = k if self.k[i] is None else torch.cat([self.k[i], k], dim=2)
-            self.v[i] = v if self.v[i] is None else torch.cat([self.v[i], v], dim=2)
+        super().append(kv)
         self.valid = torch.cat([self.valid, new_valid], dim=1)
 
     def attend(self, layer, q, k, v):
@@ -274,16 +270,13 @@ class MaskedContextCache(AttentionCache):
 
 class BatchedDFlashProposer:
     """DFlash blocks for B rows at once (the batched form of `speculative.DFlashProposer`): one
-    forward drafts every row's block from its verified positions' context."""
+    forward drafts every row's block from its verified positions' context; one per batch of requests."""
 
     def __init__(self, drafter, batch: int):
         self.drafter = drafter.eval()
         self.device = drafter.fc.weight.device
         self.cache = MaskedContextCache(drafter.num_layers, batch, self.device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)  # target positions fed per row
-
-    def start(self) -> None:
-        pass
 
     @torch.inference_mode()
     def propose(self, next_tokens: list[list[int]], new_aux: list[torch.Tensor], k: int,
@@ -383,7 +376,6 @@ def batched_speculative_decode(
     if sampling is not None:
         first = [_sample(target_probs(target.last_logits[b], sampling.temperature), sampling.generators[b])
                  for b in range(B)]  # fmt: skip
-    proposer.start()
     outs = [DecodeResult([t], 0.0) for t in first]
     seqs = [list(p) + [t] for p, t in zip(prompts, first)]  # each ends with the token the target has not read
     fed = [len(p) for p in prompts]  # target positions each row has verified (and its drafter has seen)
