@@ -80,6 +80,13 @@ wait_all() {  # wait for the given pids, killing them at the deadline
     done
 }
 
+evalqueue() {  # every trained drafter evaluated (bench/smollm2.py evalqueue) until all are done or the deadline
+    python3 bench/smollm2.py evalqueue --work "$W" --seconds $((DEADLINE - $(elapsed) - 5)) --jobs ${JOBS:-14} \
+        --jobs-training ${JOBS_TRAINING:-4} --training-flag "$W/training.flag" --device "$DEVICE" \
+        ${SETS:+--sets $SETS} ${TEMPS:+--temps $TEMPS} ${PROMPT_LOOKUP_WITH:+--prompt-lookup-with "$PROMPT_LOOKUP_WITH"} \
+        > "$W/logs-evalqueue.txt" 2>&1
+}
+
 qc() {  # TRAINER SEED: one trainer at one seed, its own process group
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True setsid python3 bench/quality_compare.py --results "$W/results" --config "$W/config.yaml" --work "$W/qc" \
         --trainers "$1" --seeds "$2" --train-only --device "$DEVICE" --threads 2 --spec-kernels eager \
@@ -129,10 +136,7 @@ fi
 if [ "$mode" = train ] || [ "$mode" = datatrain ] || [ "$mode" = all ]; then
     touch "$W/training.flag"
     if [ "$mode" = all ]; then
-        python3 bench/smollm2.py evalqueue --work "$W" --seconds $((DEADLINE - $(elapsed) - 5)) --jobs ${JOBS:-14} \
-            --jobs-training ${JOBS_TRAINING:-4} --training-flag "$W/training.flag" --device "$DEVICE" \
-            ${SETS:+--sets $SETS} ${TEMPS:+--temps $TEMPS} ${PROMPT_LOOKUP_WITH:+--prompt-lookup-with "$PROMPT_LOOKUP_WITH"} \
-            > "$W/logs-evalqueue.txt" 2>&1 &
+        evalqueue &
         queue=$!
     fi
     pids=()
@@ -164,27 +168,8 @@ if [ "$mode" = train ] || [ "$mode" = datatrain ] || [ "$mode" = all ]; then
     collect
 fi
 if [ "$mode" = eval ]; then
-    jobs_file="$W/eval-jobs.txt"
-    : > "$jobs_file"
-    for t in ${TEMPS:-0 1}; do
-        for ps in ${SETS:-mtbench gsm8k humaneval}; do
-            for d in "$W"/qc/*-s*/drafter "$W/results/drafter/dflash"; do
-                [ -e "$d/config.json" ] || continue
-                label=$(basename "$(dirname "$d")")
-                case "$label" in
-                    ours-*) label="ours-s${label##*-s}" ;;
-                    speculators-*) label="speculators-s${label##*-s}" ;;
-                    *) label="dflash-s0" ;;
-                esac
-                echo "$d $label $ps $t" >> "$jobs_file"
-            done
-        done
-    done
-    note "$(wc -l < "$jobs_file") evaluations, ${JOBS:-14} at a time"
-    setsid bash -c "xargs -P ${JOBS:-14} -L 1 bash -c 'python3 bench/real_target.py evaluate --results \"$W/results\" \
-        --config \"$W/config.yaml\" --drafter \$0 --prompt-set \$2 --temperature \$3 --device $DEVICE --threads 1 \
-        --out \"$W/evals/\$1/\$2-T\$3\" > \"$W/eval-\$1-\$2-\$3.log\" 2>&1' < $jobs_file" &
-    wait_all "$!"
-    note "evaluated: $(ls "$W"/evals/*/*/acceptance.json 2>/dev/null | wc -l) of $(wc -l < "$jobs_file")"
+    rm -f "$W/training.flag"  # a call cut while training may have left it
+    evalqueue
+    note "evaluated: $(ls "$W"/evals/*/*/acceptance.json 2>/dev/null | wc -l)"
     collect
 fi
