@@ -502,11 +502,10 @@ def train_settings(method: str) -> dict:
     settings["aux_layer_ids"] = method_layer_ids(method)
     if method == "dflash":
         settings["method"] = method
-        settings["dflash"] = {
-            k: v
-            for k, v in config["train"]["dflash"].items()
-            if k != "target_layer_ids"
-        }
+        dflash = config["train"]["dflash"]
+        # D-PACE's keys only where it is on: a default decay run keeps the params it had before them
+        unused = {"target_layer_ids"} | ({"loss_weighting", "dpace_alpha"} if dflash["loss_weighting"] == "decay" else set())
+        settings["dflash"] = {k: v for k, v in dflash.items() if k not in unused}
     return settings
 
 

@@ -29,6 +29,7 @@ from draftflow.drafters.dflash_loss import (
     LinearCrossEntropy,
     block_label_counts,
     choose_anchors,
+    dpace_weights,
     pad_anchors,
 )
 from draftflow.errors import DraftflowError
@@ -178,6 +179,68 @@ def test_linear_cross_entropy_equals_full_logits_cross_entropy():
     torch.testing.assert_close(ce, reference)
     torch.testing.assert_close(grad, hidden.grad)
     assert torch.equal(pred, logits.argmax(-1))
+
+
+def test_dpace_weight_is_each_row_s_share_of_the_block_s_expected_acceptance():
+    """W_k = ∂E/∂log s_k for E = Σ_j m_j Π_{i<=j} s_i (the block's expected accepted rows when
+    row i is accepted with probability s_i): a row weighs what improving it adds."""
+    g = torch.Generator().manual_seed(3)
+    labelled = torch.rand(3, 4, 5, generator=g) < 0.7  # [B, n, K]
+    labelled[0, 0] = torch.tensor([True, False, True, True, False])  # a gap: s = 1 there
+    rows = labelled.nonzero(as_tuple=True)
+    ce = torch.rand(len(rows[0]), generator=g, dtype=torch.float64) * 3
+    alpha = 0.3
+    log_s = torch.zeros(labelled.shape, dtype=torch.float64)
+    log_s[rows] = torch.log((1 - alpha) * torch.exp(-ce) + alpha)
+    log_s.requires_grad_(True)
+    expected = (log_s.cumsum(dim=2).exp() * labelled).sum()
+    expected.backward()
+    torch.testing.assert_close(dpace_weights(ce, rows, labelled, alpha), log_s.grad[rows])
+    # by hand, the block with a gap: s = (s0, 1, s2, s3, 1), labels at rows 0, 2, 3
+    s0, s2, s3 = ((1 - alpha) * torch.exp(-ce[:3]) + alpha).tolist()
+    by_hand = [s0 + s0 * s2 + s0 * s2 * s3, s0 * s2 + s0 * s2 * s3, s0 * s2 * s3]
+    torch.testing.assert_close(dpace_weights(ce, rows, labelled, alpha)[:3], torch.tensor(by_hand, dtype=torch.float64))
+    # alpha 1: every s is 1, row k weighs the labelled rows from k on
+    ones = dpace_weights(ce, rows, labelled, 1.0)
+    from_k_on = labelled.flip(2).cumsum(2).flip(2)[rows].to(ones.dtype)
+    torch.testing.assert_close(ones, from_k_on)
+
+
+def test_dpace_loss_is_the_weighted_cross_entropy_with_weights_held_constant(trained):
+    """The objective's D-PACE loss and its gradient equal Σ W·CE / N computed from full logits,
+    W from the detached confidences; rows without a label count nowhere."""
+    from draftflow.drafters.dflash_loss import block_label_positions, label_weights
+
+    drafter, (ids, mask, aux, greedy) = trained["drafter"], trained["data"]
+    anchors = pad_anchors([choose_anchors(m.numpy(), 6, None) for m in mask])
+    objective = DFlashObjective(drafter, decay=1.0, weighting="dpace", dpace_alpha=0.5, ce_chunk=7)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+
+    loss, _ = objective(ids, mask, aux, None, greedy, None, anchors)
+    grads = torch.autograd.grad(loss, params)
+
+    labelled = label_weights(mask, anchors, BLOCK)  # [B, n, K]
+    pos, _ = block_label_positions(anchors, BLOCK, ids.shape[1])
+    labels = torch.gather(greedy[:, None, :].expand(-1, anchors.shape[1], -1), 2, pos - 1)  # g_{a+k}
+    logits = objective.block_hidden(ids, aux, anchors) @ drafter.lm_head.weight.T
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape) * labelled
+    s = torch.where(labelled, 0.5 * torch.exp(-ce.detach()) + 0.5, torch.ones_like(ce))
+    W = torch.stack([sum(labelled[..., j] * s[..., : j + 1].prod(-1) for j in range(k, BLOCK - 1))
+                     for k in range(BLOCK - 1)], dim=-1) * labelled  # fmt: skip
+    reference = (W * ce).sum() / labelled.sum()
+    torch.testing.assert_close(loss, reference)
+    for got, want in zip(grads, torch.autograd.grad(reference, params)):
+        torch.testing.assert_close(got, want)
+
+
+def test_dpace_settings_are_checked():
+    from draftflow.drafters.dflash import DFlashSettings
+
+    assert DFlashSettings.from_dict({"loss_weighting": "dpace"}).dpace_alpha == 0.5
+    with pytest.raises(DraftflowError, match=r"train.dflash.dpace_alpha must be in \(0, 1\], got 0.0"):
+        DFlashSettings.from_dict({"loss_weighting": "dpace", "dpace_alpha": 0.0})
+    with pytest.raises(DraftflowError, match="train.dflash.loss_weighting must be decay or dpace, got 'pace'"):
+        DFlashSettings.from_dict({"loss_weighting": "pace"})
 
 
 def test_anchors_are_loss_positions_with_a_label_after_them():
@@ -427,11 +490,15 @@ def dflash_settings(**kw) -> dict:
     return base
 
 
-def test_dflash_trains_from_ranges_storing_more_layers(world, tmp_path):
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_dflash_trains_from_ranges_storing_more_layers(world, tmp_path, weighting):
     from draftflow.drafters.checkpoint import load_drafter
     from draftflow.drafters.train import TrainInputs, TrainSettings, run_training
 
-    s = TrainSettings.from_dict(dflash_settings(epochs=2))
+    settings = dflash_settings(epochs=2)
+    settings["dflash"]["loss_weighting"] = weighting
+    s = TrainSettings.from_dict(settings)
+    assert s.dflash_settings.loss_weighting == weighting
     inputs = TrainInputs(world["train"], world["eval"], world["target"], None, tmp_path / "state", tmp_path / "out")
     summary = run_training(inputs, s)
     assert 1.0 <= summary["simulated_acceptance_length"] <= 4.0

@@ -223,6 +223,8 @@ class DFlashSettings:
     anchors_per_sample: int = 512
     loss_decay_gamma: float = 7.0
     labels: str = "target"
+    loss_weighting: str = "decay"
+    dpace_alpha: float = 0.5
 
     @classmethod
     def from_dict(cls, values: dict | None) -> "DFlashSettings":
@@ -240,6 +242,10 @@ class DFlashSettings:
             raise DraftflowError("train.dflash.loss_decay_gamma must be > 0")
         if s.labels not in ("target", "data"):
             raise DraftflowError(f"train.dflash.labels must be target or data, got {s.labels!r}")
+        if s.loss_weighting not in ("decay", "dpace"):
+            raise DraftflowError(f"train.dflash.loss_weighting must be decay or dpace, got {s.loss_weighting!r}")
+        if not 0.0 < s.dpace_alpha <= 1.0:
+            raise DraftflowError(f"train.dflash.dpace_alpha must be in (0, 1], got {s.dpace_alpha}")
         return s
 
 

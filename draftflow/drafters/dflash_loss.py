@@ -17,6 +17,11 @@ Notation: tokens x_0 .. x_{T-1}, loss mask m_t, the target's greedy token g_{t+1
   count of row k over the global batch (`block_label_counts`), as the EAGLE-3 objective
   normalizes each TTT step. SpecForge divides by Σ γ_k N_k instead: the same per-position
   balance (N_k hardly varies with k), a different overall scale.
+* Weighting "dpace" instead (speculators' DFlash default, `dpace_weights`): row k of a block
+  weighs W_k = Σ_{j>=k, m_j} Π_{i<=j} s_i with s_i = (1 - α) q_i + α (s_i = 1 without a label),
+  q_i = exp(-CE_i) the drafter's current probability of the label, held constant (no gradient).
+  With s_i = q_i, W_k = ∂E[accepted] / ∂log q_k: each row weighs what its improvement adds to the
+  expected acceptance of its block. The loss is Σ W · CE / Σ_k N_k.
 * Statistics per row k, in the rows of `ttt.STAT_ROWS` so `ttt.summarize` reads them: row k is
   a trial when rows 1 .. k-1 of its block hit the target's greedy token (verification accepts
   a prefix), so α_k = P(row k hits | rows < k hit) and τ = 1 + Σ_k Π_{j≤k} α_j, K = B - 1.
@@ -36,6 +41,7 @@ from draftflow.drafters.dflash import AnchoredBlocks, DFlashDrafter
 from draftflow.drafters.ttt import STAT_ROWS, TargetInfo, _logits_fp32
 
 LABELS = ("target", "data")
+WEIGHTINGS = ("decay", "dpace")
 
 
 # ---------------------------------------------------------------- anchors (data loader side)
@@ -80,6 +86,17 @@ def label_weights(loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: in
 def block_label_counts(loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     """[B-1] int64: labels of each block row over the batch (the loss normalizer N_k)."""
     return label_weights(loss_mask, anchors, block_size).sum(dim=(0, 1)).to(torch.int64)
+
+
+def dpace_weights(ce: torch.Tensor, rows: tuple[torch.Tensor, ...], labelled: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE's weight of every labelled row, [R] in the order of `rows` (labelled.nonzero()).
+
+    ce [R]: each labelled row's cross-entropy (detached here); labelled [B, n, K] bool.
+    W_k = Σ_{j>=k} m_j Π_{i<=j} s_i, s_i = (1 - alpha) exp(-CE_i) + alpha, s_i = 1 where m_i = 0."""
+    s = torch.ones(labelled.shape, dtype=ce.dtype, device=ce.device)  # [B, n, K]
+    s[rows] = (1.0 - alpha) * torch.exp(-ce.detach()) + alpha
+    reach = s.cumprod(dim=2) * labelled  # Π_{i<=j} s_i, only where row j has a label
+    return reach.flip(2).cumsum(2).flip(2)[rows]  # suffix sums over j >= k
 
 
 # ---------------------------------------------------------------- target side
@@ -149,11 +166,14 @@ class DFlashObjective(nn.Module):
     [len(STAT_ROWS), B-1], same call as `ttt.TTTObjective` plus the batch's anchors."""
 
     def __init__(self, drafter: DFlashDrafter, decay: float, labels: str = "target", compile: bool = False,
-                 ce_chunk: int = 4096):  # fmt: skip
+                 ce_chunk: int = 4096, weighting: str = "decay", dpace_alpha: float = 0.5):  # fmt: skip
         super().__init__()
         if labels not in LABELS:
             raise ValueError(f"labels must be one of {LABELS}, got {labels!r}")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
         self.drafter, self.decay, self.labels, self.ce_chunk = drafter, decay, labels, ce_chunk
+        self.weighting, self.dpace_alpha = weighting, dpace_alpha
         if compile:
             drafter.compile_pointwise()
 
@@ -201,8 +221,12 @@ class DFlashObjective(nn.Module):
         loss_sum = torch.zeros(K, dtype=ce.dtype, device=device).index_add(0, k_of, ce)
         if normalizer is None:
             normalizer = w.sum(dim=(0, 1))
-        weights = self.decay ** torch.arange(K, device=device, dtype=ce.dtype)
-        loss = (weights * loss_sum / normalizer.to(device).clamp(min=1)).sum()
+        normalizer = normalizer.to(device)
+        if self.weighting == "dpace":
+            loss = (dpace_weights(ce, rows, w, self.dpace_alpha) * ce).sum() / normalizer.sum().clamp(min=1)
+        else:
+            weights = self.decay ** torch.arange(K, device=device, dtype=ce.dtype)
+            loss = (weights * loss_sum / normalizer.clamp(min=1)).sum()
 
         with torch.no_grad():
             hit = torch.zeros_like(w)

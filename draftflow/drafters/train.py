@@ -433,7 +433,9 @@ def make_objective(drafter, s: TrainSettings, compile: bool = False) -> nn.Modul
     if s.method == "dflash":
         from draftflow.drafters.dflash_loss import DFlashObjective
 
-        return DFlashObjective(drafter, s.loss_decay, s.dflash_settings.labels, compile=compile)
+        d = s.dflash_settings
+        return DFlashObjective(drafter, s.loss_decay, d.labels, compile=compile, weighting=d.loss_weighting,
+                               dpace_alpha=d.dpace_alpha)  # fmt: skip
     return TTTObjective(drafter, s.ttt_steps, s.step_weight_decay, compile=compile, loss=s.loss)
 
 
