@@ -137,6 +137,36 @@ def test_batched_sampling_is_each_request_sampled_alone(trained, k):
     assert any(a < p for o in alone for p, a in zip(o.proposed, o.accepted))  # both branches of the test ran
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batched_prompt_lookup_is_each_request_decoded_alone(trained, temperature):
+    """Prompt lookup, batched: rows propose different numbers of drafts (none where no n-gram
+    recurs), and each request's tokens and acceptance equal decoding it alone, greedy and sampled."""
+    from draftflow.evaluation.batched import BatchedNgramProposer, BatchedTarget, RowSampling, batched_speculative_decode
+    from draftflow.evaluation.speculative import NgramProposer, speculative_sample
+
+    model, _, target, _, prompts, references, _ = trained
+    eos = {references[0].tokens[len(references[0].tokens) // 2]}
+    generators = lambda: [torch.Generator().manual_seed(300 + i) for i in range(len(prompts))]  # noqa: E731
+    if temperature == 0:
+        alone = [speculative_decode(target, NgramProposer(), p, K, NEW, eos) for p in prompts]
+        rows = None
+    else:
+        alone = [speculative_sample(target, NgramProposer(), p, K, NEW, eos, temperature, g)
+                 for p, g in zip(prompts, generators())]  # fmt: skip
+        rows = RowSampling(temperature, generators())
+    batched_target = BatchedTarget(model, AUX)
+    try:
+        together = batched_speculative_decode(batched_target, BatchedNgramProposer(NgramProposer()), prompts, K, NEW,
+                                              eos, rows)  # fmt: skip
+    finally:
+        batched_target.close()
+    assert [o.tokens for o in together] == [o.tokens for o in alone]
+    assert [(o.proposed, o.accepted) for o in together] == [(o.proposed, o.accepted) for o in alone]
+    proposed = {n for o in alone for n in o.proposed}
+    assert 0 in proposed and len(proposed) > 2, proposed  # rows of one step verify different numbers of drafts
+    assert sum(map(sum, (o.accepted for o in alone))) > 0
+
+
 def test_batched_reference_is_each_request_decoded_alone(trained):
     """The plain reference decode, batched: greedy rows equal `greedy_decode` (an EOS ends some rows
     early), sampled rows equal `sample_decode` with the same generators."""

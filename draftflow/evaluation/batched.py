@@ -14,9 +14,11 @@ valid slots, so rotary embeddings see exactly the positions of the unbatched dec
     step  rows b:  [t_b, d_b1 .. d_bk]        one target forward for all rows
           keep     1 + a_b slots of row b      a_b = accepted drafts (≤ the row's k_eff)
 
-Batched: the plain reference decode (`batched_reference`), EAGLE-3 chains and DFlash blocks, greedy
-and sampled (`batched_speculative_decode`; sampling, each row draws from its own generator in the
-order a lone request draws); prompt lookup decodes one request at a time (`speculative`).
+Batched: the plain reference decode (`batched_reference`), EAGLE-3 chains, DFlash blocks and prompt
+lookup, greedy and sampled (`batched_speculative_decode`; sampling, each row draws from its own
+generator in the order a lone request draws). A row may verify fewer drafts than another (prompt
+lookup finds none, or the budget is nearly spent): the step is as wide as its widest row and the
+rest of a row is filler that `keep` drops.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from draftflow.drafters.eagle3 import KVCache
 from draftflow.errors import DraftflowError
 from draftflow.evaluation.speculative import (
     DecodeResult,
+    NgramProposer,
     _decoder_layers,
     _sample,
     _stop_index,
@@ -192,9 +195,10 @@ class BatchedEagle3Proposer:
         self._fed = 0  # cache entries that are target-derived (the rest: the last chain's drafts)
 
     @torch.inference_mode()
-    def propose(self, next_tokens: list[list[int]], new_aux: list[torch.Tensor], k: int,
+    def propose(self, seqs: list[list[int]], next_tokens: list[list[int]], new_aux: list[torch.Tensor], k: int,
                 sampling: "RowSampling | None" = None) -> tuple[list[list[int]], list[torch.Tensor | None]]:  # fmt: skip
-        """next_tokens[b]: the token after each of row b's new target states (aux [S_b, n_aux, H]);
+        """seqs: unused (the drafter reads states, not tokens);
+        next_tokens[b]: the token after each of row b's new target states (aux [S_b, n_aux, H]);
         -> (k drafts per row, None per row) greedily; with `sampling`, row b's first k_eff[b] drafts
         are drawn from softmax(logits / T) with its own generator, as `Eagle3Proposer.propose_sampled`
         draws them, and q[b] [k_eff[b], V] is their distribution over the target vocabulary (the
@@ -279,7 +283,7 @@ class BatchedDFlashProposer:
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)  # target positions fed per row
 
     @torch.inference_mode()
-    def propose(self, next_tokens: list[list[int]], new_aux: list[torch.Tensor], k: int,
+    def propose(self, seqs: list[list[int]], next_tokens: list[list[int]], new_aux: list[torch.Tensor], k: int,
                 sampling: RowSampling | None = None) -> tuple[list[list[int]], list[torch.Tensor | None]]:  # fmt: skip
         """As `BatchedEagle3Proposer.propose`; next_tokens[b][-1] is row b's last emitted token, the
         block's first. Drafts per row: min(k, block_size - 1); sampling draws row b's first k_eff[b]
@@ -311,6 +315,20 @@ class BatchedDFlashProposer:
                 drafts[b][:m] = torch.multinomial(q, 1, generator=sampling.generators[b])[:, 0].tolist()
             qs.append(q)
         return drafts, qs
+
+
+class BatchedNgramProposer:
+    """Prompt lookup for B rows: each row's own n-gram search (`NgramProposer`) over its sequence."""
+
+    def __init__(self, lookup: NgramProposer):
+        self.lookup = lookup
+
+    def propose(self, seqs: list[list[int]], next_tokens: list[list[int]], new_aux: list[torch.Tensor], k: int,
+                sampling: RowSampling | None = None) -> tuple[list[list[int]], list[None]]:  # fmt: skip
+        """seqs[b]: row b's tokens so far -> (row b's drafts, at most k or its k_eff when sampling, None:
+        deterministic drafts, verified as one-hot proposals); the states are not read."""
+        caps = sampling.k_eff if sampling is not None else [k] * len(seqs)
+        return [self.lookup.propose(seq, None, cap) for seq, cap in zip(seqs, caps)], [None] * len(seqs)
 
 
 def batched_reference(
@@ -353,7 +371,7 @@ def batched_reference(
 
 def batched_speculative_decode(
     target: BatchedTarget,
-    proposer: "BatchedEagle3Proposer | BatchedDFlashProposer",
+    proposer: "BatchedEagle3Proposer | BatchedDFlashProposer | BatchedNgramProposer",
     prompts: Sequence[Sequence[int]],
     k: int,
     max_new_tokens: int,
@@ -385,9 +403,11 @@ def batched_speculative_decode(
         next_tokens = [s[f - len(a) + 1 : f + 1] for s, f, a in zip(seqs, fed, aux)]
         if sampling is not None:
             sampling.k_eff = k_eff
-        drafts, qs = proposer.propose(next_tokens, aux, k, sampling)  # [B][k]
-        rows = [[s[-1], *d] for s, d in zip(seqs, drafts)]  # drafts: k (EAGLE-3) or min(k, block - 1) (DFlash)
-        logits, new_aux = target.verify_logits(rows)  # [B, len(rows[0]), V]
+        drafts, qs = proposer.propose(seqs, next_tokens, aux, k, sampling)  # [B][<= k]
+        mine = [d[:n] for d, n in zip(drafts, k_eff)]  # what each row verifies (none for a finished row)
+        width = max(len(m) for m in mine)
+        rows = [[s[-1], *m] + [s[-1]] * (width - len(m)) for s, m in zip(seqs, mine)]  # filler: dropped by keep
+        logits, new_aux = target.verify_logits(rows)  # [B, 1 + width, V]
         greedy = logits.argmax(-1).tolist() if sampling is None else None
         kept, aux = [], []
         for b in range(B):
@@ -395,26 +415,27 @@ def batched_speculative_decode(
                 kept.append(0)
                 aux.append(new_aux[b, :0])
                 continue
-            mine = drafts[b][: k_eff[b]]
+            verified = mine[b]
             if sampling is None:
                 a = 0
-                while a < len(mine) and mine[a] == greedy[b][a]:
+                while a < len(verified) and verified[a] == greedy[b][a]:
                     a += 1
                 nxt = greedy[b][a]
             else:
-                p = target_probs(logits[b, : len(mine) + 1], sampling.temperature)  # [n+1, V]
-                a, nxt = verify_sampled(p, mine, qs[b][: len(mine)], sampling.generators[b])
+                p = target_probs(logits[b, : len(verified) + 1], sampling.temperature)  # [n+1, V]
+                q = qs[b][: len(verified)] if qs[b] is not None else None
+                a, nxt = verify_sampled(p, verified, q, sampling.generators[b])
             kept.append(1 + a)
             aux.append(new_aux[b, : a + 1])
-            new = mine[:a] + [nxt]
+            new = verified[:a] + [nxt]
             keep = _stop_index(new, max_new_tokens - len(outs[b].tokens), eos_ids)
             outs[b].tokens += new[:keep]
             seqs[b] += new[:keep]
             fed[b] += 1 + a
-            outs[b].proposed.append(len(mine))
+            outs[b].proposed.append(len(verified))
             outs[b].accepted.append(a)
             done[b] = outs[b].tokens[-1] in eos_ids or len(outs[b].tokens) >= max_new_tokens
-        target.keep(kept, len(rows[0]))
+        target.keep(kept, 1 + width)
     _sync(target.device)
     seconds = time.perf_counter() - start
     for o in outs:

@@ -503,8 +503,8 @@ def _run_real_batched(target: Target, proposers: Sequence[Proposer], prompts: Se
                       outputs: list[dict] | None, temperature: float, seed: int,
                       batch_size: int) -> tuple[dict[str, dict[int, MethodResult]], AcceptanceStats]:  # fmt: skip
     """`run_real` with batch_size requests per forward (`batched`) for the references, turn by turn
-    (a later turn's input holds the earlier reference answer), and for EAGLE-3 and DFlash; prompt
-    lookup then decodes each request alone. Every request's tokens, acceptance and (sampling) draws
+    (a later turn's input holds the earlier reference answer), then for each method (EAGLE-3, DFlash,
+    prompt lookup). Every request's tokens, acceptance and (sampling) draws
     are those of batch 1; seconds are each batch's time shared among its requests, so speedup
     compares batched decoding with batched plain decoding."""
     from draftflow.evaluation.batched import BatchedTarget, RowSampling, batched_reference
@@ -534,37 +534,37 @@ def _run_real_batched(target: Target, proposers: Sequence[Proposer], prompts: Se
                         inputs[n] = (prompt.next_turn(tokenizer, answers), answers)
             log.info("references of turn %d: %d requests decoded %d at a time", turn, len(due), batch_size)
         for m, proposer in enumerate(proposers, start=1):
-            if isinstance(proposer, (Eagle3Proposer, DFlashProposer)):
-                _run_batched(batched_target, proposer, m, requests, draft_tokens, max_new_tokens, eos_ids, batch_size,
-                             results[proposer.name], record, temperature, seed)  # fmt: skip
-                continue
-            for request in requests:
-                for k in draft_tokens:
-                    _decode_request(target, proposer, request, m, k, max_new_tokens, eos_ids, temperature, seed,
-                                    results[proposer.name][k], record)  # fmt: skip
+            _run_batched(batched_target, proposer, m, requests, draft_tokens, max_new_tokens, eos_ids, batch_size,
+                         results[proposer.name], record, temperature, seed)  # fmt: skip
     finally:
         batched_target.close()
     return results, greedy
 
 
-def _run_batched(batched_target, proposer: "Eagle3Proposer | DFlashProposer", m: int, requests: list,
+def _run_batched(batched_target, proposer: Proposer, m: int, requests: list,
                  draft_tokens: Sequence[int], max_new_tokens: int, eos_ids: set[int], batch_size: int,
                  results: dict[int, MethodResult], record, temperature: float, seed: int) -> None:  # fmt: skip
-    """EAGLE-3 or DFlash on every request (n, prompt, turn, ids, reference) at every K, batch_size at
-    a time; sampling, each with the generator `run_real` would give it alone (proposer number m)."""
+    """One method on every request (n, prompt, turn, ids, reference) at every K, batch_size at a
+    time; sampling, each with the generator `run_real` would give it alone (proposer number m)."""
     from draftflow.evaluation.batched import (
         BatchedDFlashProposer,
         BatchedEagle3Proposer,
+        BatchedNgramProposer,
         RowSampling,
         batched_speculative_decode,
     )
 
-    batched_proposer = BatchedDFlashProposer if isinstance(proposer, DFlashProposer) else BatchedEagle3Proposer
+    def batched_proposer(rows: int):
+        if isinstance(proposer, NgramProposer):
+            return BatchedNgramProposer(proposer)
+        if isinstance(proposer, DFlashProposer):
+            return BatchedDFlashProposer(proposer.drafter, rows)
+        return BatchedEagle3Proposer(proposer.drafter, rows)
 
     for k in draft_tokens:
         for start in range(0, len(requests), batch_size):
             chunk = requests[start : start + batch_size]
-            drafting = batched_proposer(proposer.drafter, len(chunk))
+            drafting = batched_proposer(len(chunk))
             prompts = [ids for _, _, _, ids, _ in chunk]
             rows = None
             if temperature > 0:
