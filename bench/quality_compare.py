@@ -11,6 +11,9 @@ From one finished workflow run (`results/`: target, hidden states, draft vocab, 
   CLI (`python -m speculators.train …`, its EAGLE-3 recipe) with our TTT steps, step-loss decay,
   epochs, tokens per step, learning rate, warmup and schedule, then brought back with
   `draftflow import-drafter --from speculators`;
+* **ours, DFlash** (`--dflash JSON`, trainer ours): our DFlash drafter instead of our EAGLE-3, with
+  the config's `train.dflash` updated by the JSON object (a recipe variant: layers, block size,
+  loss weighting), reading the stored aux layers; its folders are named `dflash-<label>-s<seed>`;
 * both evaluated by the same `draftflow evaluate` (real chain speculative decoding and
   simulated τ, per K and per position, at every `--temperatures`), on the same prompts.
 
@@ -103,6 +106,12 @@ class Inputs:
         config = load_config(a.config)
         # one EAGLE-3 job's settings, as rules/common.smk:train_settings builds them
         self.train = {k: v for k, v in config["train"].items() if k not in ("methods", "dflash")}
+        self.dflash = {k: v for k, v in config["train"]["dflash"].items() if k != "target_layer_ids"}
+        if getattr(a, "dflash", None) is not None:  # our DFlash: EAGLE-3's own keys are not its settings
+            from draftflow.drafters.eagle3 import VARIANT_FLAGS
+
+            self.train = {k: v for k, v in self.train.items() if k not in (*VARIANT_FLAGS, "loss", "batching")}
+            self.train.update(method="dflash", dflash={**self.dflash, **json.loads(a.dflash)})
         self.evaluate = {k: v for k, v in config["evaluate"].items() if k not in ("temperatures",)}
         for item in a.set:
             key, _, value = item.partition("=")
@@ -321,6 +330,9 @@ def main(argv=None) -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/draftflow-quality"), help="scratch folder")
     p.add_argument("--trainers", nargs="+", default=["ours", "speculators"], choices=["ours", "speculators"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--dflash", metavar="JSON", default=None,
+                   help="trainer ours trains our DFlash drafter, train.dflash updated with this JSON object "
+                   "(e.g. '{\"num_hidden_layers\": 5, \"loss_weighting\": \"dpace\"}')")  # fmt: skip
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a train or evaluate key (JSON value)")  # fmt: skip
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
@@ -350,6 +362,8 @@ def main(argv=None) -> int:
                    "train.save_every_steps; speculators: every tenth of an epoch)")  # fmt: skip
     p.add_argument("--output", type=Path, help="also append the JSON line to this file")
     a = p.parse_args(argv)
+    if a.dflash is not None and a.trainers != ["ours"]:
+        p.error("--dflash trains our DFlash: pass --trainers ours")
     inp = Inputs(a)
     a.work.mkdir(parents=True, exist_ok=True)
     result = {"label": a.label, "results": str(inp.results), "train": inp.train, "evaluate": inp.evaluate,
@@ -359,7 +373,8 @@ def main(argv=None) -> int:
         if trainer == "speculators" and not a.eval_only:
             data, samples = prepare_speculators_data(inp, a.work, a)
         for seed in a.seeds:
-            tag = f"{trainer}{'-' + a.spec_recipe if trainer == 'speculators' else ''}-{a.label or 'default'}-s{seed}"
+            name = "dflash" if a.dflash is not None else trainer
+            tag = f"{name}{'-' + a.spec_recipe if trainer == 'speculators' else ''}-{a.label or 'default'}-s{seed}"
             work = a.work / tag
             log.info("training %s", tag)
             reused = a.eval_only or (a.resume and (work / "train_info.json").is_file())

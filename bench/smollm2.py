@@ -182,13 +182,25 @@ def collect(a) -> None:
 
 # ---------------------------------------------------------------- evaluation queue
 
+# DFlash recipe variants (issue 32 item 6: layers, block size, loss), each trained by
+# bench/quality_compare.py --dflash over the example config's train.dflash (1 layer, block 16, decay
+# weighting, the target's greedy labels, the stored aux layers); smollm2_call.sh's DFLASH_VARIANTS names them
+DFLASH_VARIANTS = {
+    "l1-dpace": {"loss_weighting": "dpace"},
+    "l5-decay": {"num_hidden_layers": 5},
+    "l5-dpace": {"num_hidden_layers": 5, "loss_weighting": "dpace"},
+    "l1-b8": {"block_size": 8},
+    "l1-data": {"labels": "data"},
+}
+
 # most wanted first: the done-when's cells (K = 7 on MT-bench and GSM8K at both temperatures), then HumanEval
 EVAL_ORDER = [("mtbench", 0), ("gsm8k", 0), ("mtbench", 1), ("gsm8k", 1), ("humaneval", 0), ("humaneval", 1)]
 
 
 def trained_drafters(w: Path) -> dict[str, Path]:
     """label -> drafter folder, for every drafter whose training has finished (the workflow's
-    DFlash, and bench/quality_compare.py's `<trainer>-…-s<seed>` folders once train_info.json is written)."""
+    DFlash, and bench/quality_compare.py's `<trainer>-…-s<seed>` folders once train_info.json is
+    written: `<trainer>-s<seed>`, but a DFlash variant keeps its whole name, `dflash-<variant>-s<seed>`)."""
     found = {}
     dflash = w / "results" / "drafter" / "dflash"
     if (dflash / "config.json").is_file() and (dflash / "eval.json").is_file():
@@ -197,7 +209,8 @@ def trained_drafters(w: Path) -> dict[str, Path]:
         folder = info.parent
         trainer = folder.name.split("-", 1)[0]
         if (folder / "drafter" / "config.json").is_file():
-            found[f"{trainer}-s{folder.name.rsplit('-s', 1)[1]}"] = folder / "drafter"
+            label = folder.name if trainer == "dflash" else f"{trainer}-s{folder.name.rsplit('-s', 1)[1]}"
+            found[label] = folder / "drafter"
     return found
 
 
@@ -288,6 +301,8 @@ def table(a) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("dflash-variant", help="print a DFlash variant's train.dflash overrides (JSON)")
+    v.add_argument("name", choices=sorted(DFLASH_VARIANTS))
     c = sub.add_parser("configs")
     c.add_argument("--work", type=Path, required=True)
     c.add_argument("--model", type=Path, required=True, help="the converted HF folder")
@@ -325,7 +340,7 @@ def main(argv=None) -> int:
     t.add_argument("figures", nargs="+")
     a = p.parse_args(argv)
     {"configs": configs, "ppl": ppl, "heldout": heldout, "neighbours": neighbours, "collect": collect, "table": table,
-     "evalqueue": evalqueue}[a.cmd](a)
+     "evalqueue": evalqueue, "dflash-variant": lambda a: print(json.dumps(DFLASH_VARIANTS[a.name]))}[a.cmd](a)
     return 0
 
 

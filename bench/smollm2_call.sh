@@ -10,7 +10,9 @@
 #          extract, vocab; the target's held-out perplexity. Returns the regenerated conversations.
 #          REGENERATED=FILE: train on conversations an earlier call regenerated (no regenerate stage).
 #   train  on the warm machine's data: our EAGLE-3 and speculators 0.9's at seeds SEEDS (one process
-#          each, side by side; NO_SPECULATORS=1 trains ours only), and the workflow's DFlash
+#          each, side by side), and the workflow's DFlash. TRAINERS picks among them (default
+#          "ours speculators dflash"; NO_SPECULATORS=1 drops speculators); DFLASH_VARIANTS="l5-dpace …"
+#          also trains those DFlash recipes (bench/smollm2.py DFLASH_VARIANTS) at the first seed
 #   eval   every drafter `draftflow evaluate`d on the GPU: real τ at K 3/5/7, T 0 and 1, on MT-bench
 #          (both turns), GSM8K and HumanEval; simulated τ; prompt lookup. At most JOBS at a time.
 #   all    data (skipped when RESUME=1 finds it done), train, and evaluate each drafter as soon as it
@@ -31,6 +33,9 @@ S=${S:-/tmp/smol}
 DEVICE=${DEVICE:-cuda}
 SEEDS=${SEEDS:-0 1 2}
 LABEL=${LABEL:-ep4}
+TRAINERS=${TRAINERS:-ours speculators dflash}
+[ -n "${NO_SPECULATORS:-}" ] && TRAINERS=${TRAINERS//speculators/}
+trains() { [[ " $TRAINERS " == *" $1 "* ]]; }
 GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 mkdir -p "$S" "$OUT"
 elapsed() { echo $(($(date +%s) - T0)); }
@@ -60,7 +65,10 @@ stash() {
 
 collect() {
     python3 bench/smollm2.py collect --work "$W" --out "$OUT" || note "collect failed"
-    for f in "$W"/logs-*.txt "$W"/qc-*.log; do [ -e "$f" ] && tail -c 20000 "$f" > "$OUT/$(basename "$f")"; done
+    # the logs' tails in one file: a call returns at most 8 files
+    local tails; tails=$(mktemp -d)
+    for f in "$W"/logs-*.txt "$W"/qc-*.log "$W"/eval-*.log; do [ -e "$f" ] && tail -c 20000 "$f" > "$tails/$(basename "$f")"; done
+    tar -czf "$OUT/logs.tar.gz" -C "$tails" . && rm -rf "$tails"
     ls -la "$OUT" >&2
 }
 
@@ -87,11 +95,13 @@ evalqueue() {  # every trained drafter evaluated (bench/smollm2.py evalqueue) un
         > "$W/logs-evalqueue.txt" 2>&1
 }
 
-qc() {  # TRAINER SEED: one trainer at one seed, its own process group
+qc() {  # TRAINER SEED [LABEL [ARGS…]]: one trainer at one seed, its own process group
+    local trainer=$1 seed=$2 label=${3:-$LABEL}
+    shift 2; shift $(($# > 0 ? 1 : 0))
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True setsid python3 bench/quality_compare.py --results "$W/results" --config "$W/config.yaml" --work "$W/qc" \
-        --trainers "$1" --seeds "$2" --train-only --device "$DEVICE" --threads 2 --spec-kernels eager \
-        --label "$LABEL" --set train.num_workers=2 --set train.save_every_steps=40 --resume ${QC_SETS:-} \
-        --output "$W/qc.jsonl" > "$W/qc-$1-$2.log" 2>&1 &
+        --trainers "$trainer" --seeds "$seed" --train-only --device "$DEVICE" --threads 2 --spec-kernels eager \
+        --label "$label" --set train.num_workers=2 --set train.save_every_steps=40 --resume ${QC_SETS:-} "$@" \
+        --output "$W/qc.jsonl" > "$W/qc-$trainer-$label-$seed.log" 2>&1 &
     echo $!
 }
 
@@ -140,16 +150,21 @@ if [ "$mode" = train ] || [ "$mode" = datatrain ] || [ "$mode" = all ]; then
         queue=$!
     fi
     pids=()
-    setsid "${SMK[@]}" --nolock --configfile="$W/config.yaml" "$W/results/drafter/dflash" \
-        > "$W/logs-dflash.txt" 2>&1 &
-    pids+=("$!")
-    for seed in $SEEDS; do pids+=("$(qc ours "$seed")"); done
+    if trains dflash; then
+        setsid "${SMK[@]}" --nolock --configfile="$W/config.yaml" "$W/results/drafter/dflash" \
+            > "$W/logs-dflash.txt" 2>&1 &
+        pids+=("$!")
+    fi
+    trains ours && for seed in $SEEDS; do pids+=("$(qc ours "$seed")"); done
     first=${SEEDS%% *}
-    [ -n "${NO_SPECULATORS:-}" ] || pids+=("$(qc speculators "$first")")
+    for variant in ${DFLASH_VARIANTS:-}; do
+        pids+=("$(qc ours "$first" "$variant" --dflash "$(python3 bench/smollm2.py dflash-variant "$variant")")")
+    done
+    trains speculators && pids+=("$(qc speculators "$first")")
     # the other speculators seeds once the first has converted the store (one copy on disk) and ours have
     # finished: seven trainers side by side ran speculators out of the card's memory (2026-12-05)
-    ours_done() { for seed in $SEEDS; do ls "$W"/qc/ours-*-s"$seed"/train_info.json > /dev/null 2>&1 || return 1; done; }
-    [ -n "${NO_SPECULATORS:-}" ] || (
+    ours_done() { trains ours || return 0; for seed in $SEEDS; do ls "$W"/qc/ours-*-s"$seed"/train_info.json > /dev/null 2>&1 || return 1; done; }
+    ! trains speculators || (
         while [ ! -e "$W/qc/speculators_data/draftflow_export.json" ] || ! ours_done; do  # interop.SIDECAR: written last
             [ "$(elapsed)" -ge "$DEADLINE" ] && exit 1
             sleep 3
