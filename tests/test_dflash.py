@@ -506,6 +506,7 @@ def test_dflash_trains_from_ranges_storing_more_layers(world, tmp_path, weightin
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["dflash_config"] == {"block_size": 4, "target_layer_ids": [1, 2], "mask_token_id": 127}
+    assert config["draftflow"]["loss_weighting"] == weighting  # how it was trained, in its record
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
     assert train[-1]["loss"] < train[0]["loss"]

@@ -371,6 +371,7 @@ def build_dflash(
         target_path=str(Path(target_dir).resolve()),
     )  # fmt: skip
     cfg.extra["labels"] = d.labels
+    cfg.extra["loss_weighting"] = d.loss_weighting
     torch.manual_seed(s.seed)
     drafter = DFlashDrafter(cfg)
     if tuple(tensors["embed"].shape) != (cfg.vocab_size, cfg.hidden_size):
