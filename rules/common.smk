@@ -504,7 +504,9 @@ def train_settings(method: str) -> dict:
         settings["method"] = method
         dflash = config["train"]["dflash"]
         # D-PACE's keys only where it is on: a default decay run keeps the params it had before them
-        unused = {"target_layer_ids"} | ({"loss_weighting", "dpace_alpha"} if dflash["loss_weighting"] == "decay" else set())
+        unused = {"target_layer_ids"}
+        if dflash["loss_weighting"] == "decay":
+            unused |= {"loss_weighting", "dpace_alpha"}
         settings["dflash"] = {k: v for k, v in dflash.items() if k not in unused}
     return settings
 
