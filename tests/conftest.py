@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,35 @@ def kill_all(processes: list[psutil.Process], timeout: float = 30) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(processes, timeout=timeout)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process, its descendants and what else lives in their process groups: a child
+    forked after the listing (a DataLoader worker starting an epoch) outlives its killed parent in
+    the parent's group, reparented out of the tree (seen once: a rank's worker, asleep for good)."""
+    tree = process_tree(pid)
+    groups = set()
+    for p in tree:
+        try:
+            groups.add(os.getpgid(p.pid))
+        except ProcessLookupError:
+            pass
+    groups.discard(os.getpgrp())  # never this test process's own group
+    kill_all(tree)
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:  # the group is gone already
+            pass
+    left = [p for p in psutil.process_iter() if _group_of(p) in groups]
+    psutil.wait_procs(left, timeout=30)
+
+
+def _group_of(p: psutil.Process) -> int | None:
+    try:
+        return os.getpgid(p.pid)
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return None
 
 
 def process_tree(pid: int) -> list[psutil.Process]:

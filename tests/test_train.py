@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import kill_all, process_tree
+from conftest import kill_tree
 from draftflow.errors import DraftflowError
 from draftflow.hidden_states.storage import SampleStore, encode_sample, sample_key, write_range_index
 from draftflow.drafters.batching import collate
@@ -289,8 +289,8 @@ def kill_after_checkpoint(proc, state: Path, step: int) -> int:
     while time.time() < deadline and proc.poll() is None:
         latest = list(state.glob("run-*/latest.json"))
         if latest and json.loads(latest[0].read_text())["step"] >= step:
-            # torchrun starts its workers in sessions of their own: kill the whole tree
-            kill_all(process_tree(proc.pid))
+            # the whole tree and its process groups (a DataLoader worker may be starting)
+            kill_tree(proc.pid)
             proc.wait()
             return json.loads(latest[0].read_text())["step"]
         time.sleep(0.01)
