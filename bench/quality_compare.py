@@ -106,12 +106,12 @@ class Inputs:
         config = load_config(a.config)
         # one EAGLE-3 job's settings, as rules/common.smk:train_settings builds them
         self.train = {k: v for k, v in config["train"].items() if k not in ("methods", "dflash")}
-        self.dflash = {k: v for k, v in config["train"]["dflash"].items() if k != "target_layer_ids"}
         if getattr(a, "dflash", None) is not None:  # our DFlash: EAGLE-3's own keys are not its settings
             from draftflow.drafters.eagle3 import VARIANT_FLAGS
 
+            dflash = {k: v for k, v in config["train"]["dflash"].items() if k != "target_layer_ids"}
             self.train = {k: v for k, v in self.train.items() if k not in (*VARIANT_FLAGS, "loss", "batching")}
-            self.train.update(method="dflash", dflash={**self.dflash, **json.loads(a.dflash)})
+            self.train.update(method="dflash", dflash={**dflash, **json.loads(a.dflash)})
         self.evaluate = {k: v for k, v in config["evaluate"].items() if k not in ("temperatures",)}
         for item in a.set:
             key, _, value = item.partition("=")

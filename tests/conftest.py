@@ -107,13 +107,7 @@ def kill_tree(pid: int) -> None:
     forked after the listing (a DataLoader worker starting an epoch) outlives its killed parent in
     the parent's group, reparented out of the tree (seen once: a rank's worker, asleep for good)."""
     tree = process_tree(pid)
-    groups = set()
-    for p in tree:
-        try:
-            groups.add(os.getpgid(p.pid))
-        except ProcessLookupError:
-            pass
-    groups.discard(os.getpgrp())  # never this test process's own group
+    groups = {_group_of(p) for p in tree} - {None, os.getpgrp()}  # never this test process's own group
     kill_all(tree)
     for group in groups:
         try:
@@ -127,7 +121,7 @@ def kill_tree(pid: int) -> None:
 def _group_of(p: psutil.Process) -> int | None:
     try:
         return os.getpgid(p.pid)
-    except (ProcessLookupError, psutil.NoSuchProcess):
+    except ProcessLookupError:  # it has exited
         return None
 
 

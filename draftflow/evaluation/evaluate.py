@@ -86,7 +86,7 @@ class EvaluateSettings:
     prompts_file: str | None = None
     ngram_max: int = 3
     prompt_lookup: bool = True  # hf engine: also decode with the n-gram baseline (~40% of a job's decoding)
-    batch_size: int = 1  # hf engine: requests per forward of the reference, EAGLE-3 and DFlash (`batched`)
+    batch_size: int = 1  # hf engine: requests per forward of the reference and every method (`batched`)
     device: str = "auto"
     engine: str = "hf"
     temperatures: tuple[float, ...] = (0.0,)  # 0: greedy; > 0: speculative sampling at that temperature
