@@ -11,6 +11,10 @@ Two timed phases of the same step:
   end-to-end:   batches from disk through the DataLoader (decode, collate, pin, copy).
 data_wait_share = 1 - compute-only step time / end-to-end step time (goal <= 0.05);
 host_blocked_share = share of end-to-end wall time the training loop sat in next(loader).
+thread_cpu_share_* = the training thread's CPU time over wall time, per phase: near 1, the step is
+host-bound (launching kernels, Python); far below, the thread waits (on the GPU, a sync or the GIL).
+--profile: 2 steps of each phase under torch.profiler, the top kernels to stderr, and the GPU's
+kernel time per step beside wall time (`profile` in the JSON): where the fresh phase's extra time goes.
 
 Read-time verification (every read's file checksum against its index, as training does):
 `--verify-reads both` runs the end-to-end phase four times, alternating on / off / on / off,
@@ -191,6 +195,31 @@ def build_dflash(a, shape: dict, device, dtype):
     return cfg, drafter, head
 
 
+def profile_steps(next_batch, step, sync, cuda: bool, label: str, steps: int = 2) -> dict:
+    """`steps` training steps under torch.profiler (the first batch fetched before it starts):
+    the top ops to stderr; wall and GPU kernel seconds per step (kernel time summed over the
+    profile's device events: overlapping streams would count twice, the step uses one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    batch = next_batch(0)
+    sync()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(batch)
+            if i + 1 < steps:
+                batch = next_batch(i + 1)
+        sync()
+        wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    key = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
+    print(f"--- profile: {label} batches, {steps} steps", file=sys.stderr)
+    print(averages.table(sort_by=key if cuda else "self_cpu_time_total", row_limit=30), file=sys.stderr)
+    kernel_us = sum(getattr(e, key) for e in averages) if cuda else 0.0
+    return {"wall_s_per_step": round(wall / steps, 4), "gpu_kernel_s_per_step": round(kernel_us / 1e6 / steps, 4)}
+
+
 def main(argv=None) -> None:
     a = parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -259,20 +288,22 @@ def main(argv=None) -> None:
         for i in range(a.warmup):
             step(resident[i % len(resident)])
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for i in range(a.steps):
             stats, _ = step(resident[i % len(resident)])
         sync()
         compute_s = (time.perf_counter() - t0) / a.steps
+        compute_cpu_share = (time.thread_time() - c0) / (compute_s * a.steps)
         resident_tokens = sum(b.tokens for b in resident) / len(resident)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
 
         # end-to-end: from disk through the DataLoader
         def end_to_end(batch_iter) -> tuple[int, float, float, torch.Tensor]:
+            nonlocal e2e_cpu_s
             blocked, tokens = 0.0, 0
             sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(a.steps):
                 tb = time.perf_counter()
                 batch = next(batch_iter).to(device)
@@ -280,7 +311,10 @@ def main(argv=None) -> None:
                 tokens += batch.tokens
                 stats, _ = step(batch)
             sync()
+            e2e_cpu_s = time.thread_time() - c0
             return tokens, time.perf_counter() - t0, blocked, stats
+
+        e2e_cpu_s = 0.0
 
         verify_phases = {}
         if a.verify_reads == "both":
@@ -294,16 +328,12 @@ def main(argv=None) -> None:
         tokens, wall, blocked, stats = end_to_end(loader)
         e2e_s = wall / a.steps
         loss = (stats[0] / stats[1].clamp(min=1)).sum().item()
+        profiled = {}
         if a.profile:
-            from torch.profiler import ProfilerActivity, profile
-
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-            with profile(activities=activities) as prof:
-                for i in range(2):
-                    step(resident[i % len(resident)])
-                sync()
-            key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-            print(prof.key_averages().table(sort_by=key, row_limit=30), file=sys.stderr)
+            profiled["resident"] = profile_steps(lambda i: resident[i % len(resident)], step, sync, cuda, "resident")
+            fresh = iter(make_loader(reader, batches, s, device, epoch=1))
+            profiled["fresh"] = profile_steps(lambda i: next(fresh).to(device), step, sync, cuda, "fresh")
+            del fresh
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -334,6 +364,9 @@ def main(argv=None) -> None:
         "step_s_compute_only": round(compute_s, 4),
         "data_wait_share": round(max(0.0, 1 - compute_s / e2e_s), 4),
         "host_blocked_share": round(blocked / wall, 4),
+        "thread_cpu_share_compute_only": round(compute_cpu_share, 4),
+        "thread_cpu_share_end_to_end": round(e2e_cpu_s / wall, 4),
+        **({"profile": profiled} if profiled else {}),
         "model_flops_per_token": flops,
         "target_head_flops_per_token": 2 * H * V,
         "mfu": round(flops * tokens_per_s / (peak * 1e12), 4) if peak else None,
