@@ -195,6 +195,19 @@ def build_dflash(a, shape: dict, device, dtype):
     return cfg, drafter, head
 
 
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def allocator_counts(cuda: bool) -> dict:
+    stats = torch.cuda.memory_stats() if cuda else {}
+    return {k: stats.get(k, 0) for k in ALLOCATOR_COUNTS}
+
+
+def counts_since(before: dict, cuda: bool) -> dict:
+    now = allocator_counts(cuda)
+    return {k: now[k] - before[k] for k in ALLOCATOR_COUNTS}
+
+
 def profile_steps(next_batch, step, sync, cuda: bool, label: str, steps: int = 2) -> dict:
     """`steps` training steps under torch.profiler (the first batch fetched before it starts):
     the top ops to stderr; wall and GPU kernel seconds per step (kernel time summed over the
@@ -288,10 +301,12 @@ def main(argv=None) -> None:
         for i in range(a.warmup):
             step(resident[i % len(resident)])
         sync()
+        alloc0 = allocator_counts(cuda)
         t0, c0 = time.perf_counter(), time.thread_time()
         for i in range(a.steps):
             stats, _ = step(resident[i % len(resident)])
         sync()
+        alloc_compute = counts_since(alloc0, cuda)
         compute_s = (time.perf_counter() - t0) / a.steps
         compute_cpu_share = (time.thread_time() - c0) / (compute_s * a.steps)
         resident_tokens = sum(b.tokens for b in resident) / len(resident)
@@ -300,9 +315,10 @@ def main(argv=None) -> None:
 
         # end-to-end: from disk through the DataLoader
         def end_to_end(batch_iter) -> tuple[int, float, float, torch.Tensor]:
-            nonlocal e2e_cpu_s
+            nonlocal e2e_cpu_s, alloc_e2e
             blocked, tokens = 0.0, 0
             sync()
+            alloc0 = allocator_counts(cuda)
             t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(a.steps):
                 tb = time.perf_counter()
@@ -312,9 +328,10 @@ def main(argv=None) -> None:
                 stats, _ = step(batch)
             sync()
             e2e_cpu_s = time.thread_time() - c0
+            alloc_e2e = counts_since(alloc0, cuda)
             return tokens, time.perf_counter() - t0, blocked, stats
 
-        e2e_cpu_s = 0.0
+        e2e_cpu_s, alloc_e2e = 0.0, {}
 
         verify_phases = {}
         if a.verify_reads == "both":
@@ -367,6 +384,9 @@ def main(argv=None) -> None:
         "thread_cpu_share_compute_only": round(compute_cpu_share, 4),
         "thread_cpu_share_end_to_end": round(e2e_cpu_s / wall, 4),
         **({"profile": profiled} if profiled else {}),
+        # the caching allocator's slow paths per phase: a retry frees cached blocks (a device-wide
+        # sync) and calls cudaMalloc again
+        **({"allocator_compute_only": alloc_compute, "allocator_end_to_end": alloc_e2e} if cuda else {}),
         "model_flops_per_token": flops,
         "target_head_flops_per_token": 2 * H * V,
         "mfu": round(flops * tokens_per_s / (peak * 1e12), 4) if peak else None,
