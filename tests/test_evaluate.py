@@ -114,6 +114,52 @@ def test_batched_decoding_is_each_request_decoded_alone(trained, k):
     assert sum(map(sum, (o.accepted for o in alone))) > 2 * len(prompts)  # the drafter's chains were used
 
 
+def _accepted_draft(out) -> tuple[int, int] | None:
+    """(index, token) of the first token of `out` that a verify step accepted as its second or a
+    later draft (so an EOS there keeps two or more of the step's tokens and drops the rest) and that
+    does not occur earlier in the output."""
+    pos = 1  # tokens[0] comes from the prefill
+    for proposed, accepted in zip(out.proposed, out.accepted):
+        for i in range(pos + 1, pos + accepted):
+            if out.tokens[i] not in out.tokens[:i]:
+                return i, out.tokens[i]
+        pos += accepted + 1
+    return None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batched_decoding_ends_a_row_on_an_accepted_draft(trained, temperature):
+    """An EOS accepted as a draft ends its row mid-chain (the tokens after it are dropped) while the
+    other rows go on: each request still decodes as it does alone (2026-12-05, H100: this case
+    stopped every MT-bench evaluation with a shape error in the proposer)."""
+    from draftflow.evaluation.batched import BatchedEagle3Proposer, BatchedTarget, RowSampling, batched_speculative_decode
+    from draftflow.evaluation.speculative import speculative_sample
+
+    model, drafter, target, _, prompts, _, _ = trained
+    generators = lambda: [torch.Generator().manual_seed(500 + i) for i in range(len(prompts))]  # noqa: E731
+
+    def alone(eos: set[int]):
+        if temperature == 0:
+            return [speculative_decode(target, Eagle3Proposer(drafter), p, K, NEW, eos) for p in prompts]
+        return [speculative_sample(target, Eagle3Proposer(drafter), p, K, NEW, eos, temperature, g)
+                for p, g in zip(prompts, generators())]  # fmt: skip
+
+    row, (index, eos_token) = next((r, found) for r, o in enumerate(alone(set())) if (found := _accepted_draft(o)))
+    eos = {eos_token}
+    expected = alone(eos)
+    assert len(expected[row].tokens) == index + 1  # the row ends on that draft, the rest of its chain cut
+    assert max(len(o.proposed) for o in expected) > len(expected[row].proposed)  # other rows go on after it
+    batched_target = BatchedTarget(model, AUX)
+    try:
+        rows = None if temperature == 0 else RowSampling(temperature, generators())
+        together = batched_speculative_decode(batched_target, BatchedEagle3Proposer(drafter, len(prompts)), prompts,
+                                              K, NEW, eos, rows)  # fmt: skip
+    finally:
+        batched_target.close()
+    assert [o.tokens for o in together] == [o.tokens for o in expected]
+    assert [(o.proposed, o.accepted) for o in together] == [(o.proposed, o.accepted) for o in expected]
+
+
 @pytest.mark.parametrize("k", [1, K])
 def test_batched_sampling_is_each_request_sampled_alone(trained, k):
     """Speculative sampling at T = 1, batched: each row draws from its own generator in the order a

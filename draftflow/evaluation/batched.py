@@ -426,7 +426,6 @@ def batched_speculative_decode(
                 q = qs[b][: len(verified)] if qs[b] is not None else None
                 a, nxt = verify_sampled(p, verified, q, sampling.generators[b])
             kept.append(1 + a)
-            aux.append(new_aux[b, : a + 1])
             new = verified[:a] + [nxt]
             keep = _stop_index(new, max_new_tokens - len(outs[b].tokens), eos_ids)
             outs[b].tokens += new[:keep]
@@ -435,6 +434,9 @@ def batched_speculative_decode(
             outs[b].proposed.append(len(verified))
             outs[b].accepted.append(a)
             done[b] = outs[b].tokens[-1] in eos_ids or len(outs[b].tokens) >= max_new_tokens
+            # a row that ended drafts no more: no states for the proposer (an accepted EOS draft cuts
+            # `new`, so its a + 1 states would outnumber the tokens kept after it)
+            aux.append(new_aux[b, : 0 if done[b] else a + 1])
         target.keep(kept, 1 + width)
     _sync(target.device)
     seconds = time.perf_counter() - start
