@@ -50,8 +50,9 @@ def configs(a) -> None:
     config["merge"].update(max_seq_len=1024, min_eval_samples=64, samples_per_range=2048)
     config["extract"].update(writer_threads=6)
     config["train"].update(num_workers=4, log_every_steps=20)
-    # batch 32: an MT-bench set's 32 requests in one greedy EAGLE-3 batch (the GPU is launch-bound at 1)
-    config["evaluate"].update(max_prompts=16, max_new_tokens=128, batch_size=32)
+    # 80 prompts (the floor) in one batch: a set's requests share every forward (the GPU is
+    # launch-bound at batch 1); float32: T = 0 outputs equal greedy (in bf16 14-18 of 32 did, 2026-12-05)
+    config["evaluate"].update(max_prompts=80, max_new_tokens=128, batch_size=80, dtype="float32")
     sets = config["evaluate"]["prompt_sets"]
     sets["mtbench"]["path"] = str(data / "mtbench_question.jsonl")
     sets["gsm8k"].update(path=str(data / "gsm8k_test.jsonl"), max_prompts=None)

@@ -23,6 +23,7 @@
 #
 # Everything is killed at DEADLINE seconds (default 540); what finished is in $OUT/figures.json.
 # MPS=1: the call's processes share the GPU through an MPS daemon of its own (see below; not yet run).
+# RETURN_DRAFTER=<label> (e.g. ours-s0): that drafter also comes back, as drafter-<label>.tar.part.NN.
 # On the CPU (a smoke test): SKIP_INSTALL=1 DEVICE=cpu TINY=1 W=/tmp/smolcpu OUT=/tmp/smolcpu-out.
 set -u -o pipefail
 mode="$1"
@@ -69,6 +70,14 @@ collect() {
     local tails; tails=$(mktemp -d)
     for f in "$W"/logs-*.txt "$W"/qc-*.log "$W"/eval-*.log; do [ -e "$f" ] && tail -c 20000 "$f" > "$tails/$(basename "$f")"; done
     tar -czf "$OUT/logs.tar.gz" -C "$tails" . && rm -rf "$tails"
+    # RETURN_DRAFTER=<label>: that trained drafter comes back too, in 15 MiB pieces (a returned file's
+    # limit is 16 MiB; join with cat): for CPU work on a GPU-trained drafter
+    if [ -n "${RETURN_DRAFTER:-}" ]; then
+        local folder; folder=$(python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; \
+import smollm2; print(smollm2.trained_drafters(Path('$W')).get('$RETURN_DRAFTER', ''))")
+        [ -n "$folder" ] && tar -cf - -C "$folder" config.json eval.json model.safetensors \
+            | split -b 15M -d - "$OUT/drafter-$RETURN_DRAFTER.tar.part." || note "no trained drafter $RETURN_DRAFTER"
+    fi
     ls -la "$OUT" >&2
 }
 
@@ -89,8 +98,10 @@ wait_all() {  # wait for the given pids, killing them at the deadline
 }
 
 evalqueue() {  # every trained drafter evaluated (bench/smollm2.py evalqueue) until all are done or the deadline
-    python3 bench/smollm2.py evalqueue --work "$W" --seconds $((DEADLINE - $(elapsed) - 5)) --jobs ${JOBS:-14} \
-        --jobs-training ${JOBS_TRAINING:-4} --training-flag "$W/training.flag" --device "$DEVICE" \
+    # few jobs at a time: processes side by side time-slice the GPU (2026-12-05, H100: 12 evaluations at
+    # once, ~156 ms a batched reference step each), so more at once finish no sooner and lose more at the deadline
+    python3 bench/smollm2.py evalqueue --work "$W" --seconds $((DEADLINE - $(elapsed) - 5)) --jobs ${JOBS:-4} \
+        --jobs-training ${JOBS_TRAINING:-2} --training-flag "$W/training.flag" --device "$DEVICE" \
         ${SETS:+--sets $SETS} ${TEMPS:+--temps $TEMPS} ${PROMPT_LOOKUP_WITH:+--prompt-lookup-with "$PROMPT_LOOKUP_WITH"} \
         > "$W/logs-evalqueue.txt" 2>&1
 }

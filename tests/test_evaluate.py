@@ -625,6 +625,18 @@ def test_evaluate_refuses_a_drafter_trained_on_other_layers(stage_inputs, capsys
     assert "reads aux layers [0, 1, 3]" in capsys.readouterr().err
 
 
+def test_evaluate_dtype_decodes_in_the_dtype_asked(stage_inputs, tmp_path, capsys):
+    """evaluate.dtype: auto is float32 on the CPU, bfloat16 is taken as asked (the report says
+    which), and a dtype it does not know stops before any model loads, naming the key."""
+    tmp, range_dir, _ = stage_inputs
+    assert run_stage(tmp, range_dir, tmp_path / "a", draft_tokens=[2], max_prompts=1) == 0
+    assert json.loads((tmp / "eval" / "acceptance.json").read_text())["dtype"] == "float32"
+    assert run_stage(tmp, range_dir, tmp_path / "b", draft_tokens=[2], max_prompts=1, dtype="bfloat16") == 0
+    assert json.loads((tmp / "eval" / "acceptance.json").read_text())["dtype"] == "bfloat16"
+    assert run_stage(tmp, range_dir, tmp_path / "c", dtype="fp8") == 1
+    assert "evaluate.dtype: 'fp8' is not one of auto, float32, bfloat16, float16" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- report figures
 
 

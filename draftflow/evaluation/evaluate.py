@@ -74,6 +74,9 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------- settings
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class EvaluateSettings:
     """config `evaluate` (config.schema.yaml) plus `aux_layer_ids` (what extraction captured),
@@ -88,6 +91,7 @@ class EvaluateSettings:
     prompt_lookup: bool = True  # hf engine: also decode with the n-gram baseline (~40% of a job's decoding)
     batch_size: int = 1  # hf engine: requests per forward of the reference and every method (`batched`)
     device: str = "auto"
+    dtype: str = "auto"  # hf engine: auto = float32 on a CPU, the target's stored dtype on a GPU
     engine: str = "hf"
     temperatures: tuple[float, ...] = (0.0,)  # 0: greedy; > 0: speculative sampling at that temperature
     seed: int = 0  # hf engine, temperatures > 0: base of the per-request sampling generators
@@ -115,6 +119,8 @@ class EvaluateSettings:
             raise DraftflowError(f"evaluate.draft_tokens must be positive integers, got {list(s.draft_tokens)}")
         if s.engine not in ENGINES:
             raise DraftflowError(f"evaluate.engine: {s.engine!r} is not one of {', '.join(ENGINES)}")
+        if s.dtype not in DTYPES:
+            raise DraftflowError(f"evaluate.dtype: {s.dtype!r} is not one of {', '.join(DTYPES)}")
         if not s.temperatures or min(s.temperatures) < 0 or len(set(s.temperatures)) != len(s.temperatures):
             raise DraftflowError(
                 f"evaluate.temperatures must be distinct numbers >= 0 (0 = greedy), got {list(s.temperatures)}"
@@ -733,7 +739,9 @@ def run_hf(inputs: EvaluateInputs, settings: EvaluateSettings) -> tuple[dict, li
     if reader is not None:  # every stored sample it will read is there (stat only), before loading models
         check_present(reader, "evaluation (--eval-ranges)", settings.on_bad_sample)
     device = resolve_device(settings.device)
-    dtype = torch.float32 if device.type == "cpu" else "auto"  # CPU half-precision matmuls are slow
+    dtype = settings.dtype
+    if dtype == "auto":
+        dtype = "float32" if device.type == "cpu" else "auto"  # CPU half-precision matmuls are slow
     model, tokenizer = load_target(inputs.target, dtype=dtype, device=str(device),
                                    trust_remote_code=settings.trust_remote_code)  # fmt: skip
     drafter, cfg = load_drafter(inputs.drafter, inputs.target, device=device, dtype=next(model.parameters()).dtype)
