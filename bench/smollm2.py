@@ -181,6 +181,57 @@ def collect(a) -> None:
     (a.out / "figures.json").write_text(json.dumps(figures, indent=1, default=str))
 
 
+# ---------------------------------------------------------------- drafters across sessions
+# A device session keeps nothing for the next: a trained drafter comes back in pieces (a returned
+# file's limit is 16 MiB) and a later session carries them in to evaluate it without retraining.
+
+DRAFTER_FILES = ("config.json", "eval.json", "model.safetensors")
+PIECE_BYTES = 15 * 2**20
+
+
+def pack_drafter(a) -> None:
+    """The drafter labelled --label as <out>/drafter-<label>.tar.part.NN, 15 MiB each."""
+    import io
+    import tarfile
+
+    folder = trained_drafters(a.work).get(a.label)
+    if folder is None:
+        raise SystemExit(f"pack-drafter: no trained drafter {a.label!r} in {a.work} (have: {sorted(trained_drafters(a.work))})")
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name in DRAFTER_FILES:
+            if (folder / name).is_file():
+                tar.add(folder / name, arcname=name)
+    data = buffer.getvalue()
+    for i in range(0, len(data), PIECE_BYTES):
+        (a.out / f"drafter-{a.label}.tar.part.{i // PIECE_BYTES:02d}").write_bytes(data[i : i + PIECE_BYTES])
+    print(f"pack-drafter: {a.label} from {folder}: {len(data)} bytes", file=sys.stderr)
+
+
+def import_drafters(a) -> None:
+    """Every drafter-<label>.tar.part.* set in --source unpacked where `trained_drafters` finds it
+    under that label (`qc/<trainer>-imported-s<seed>/drafter`; a DFlash label is its own folder)."""
+    import io
+    import re
+    import tarfile
+
+    pieces: dict[str, list[Path]] = {}
+    for path in sorted(a.source.glob("drafter-*.tar.part.*")):
+        pieces.setdefault(re.sub(r"^drafter-|\.tar\.part\.\d+$", "", path.name), []).append(path)
+    for label, parts in pieces.items():
+        trainer, _, seed = label.rpartition("-s")
+        if not trainer or not seed.isdigit():
+            raise SystemExit(f"import-drafters: {parts[0]}: the label {label!r} is not <trainer>-s<seed>")
+        run = a.work / "qc" / (label if trainer.startswith("dflash") else f"{trainer}-imported-s{seed}")
+        folder = run / "drafter"
+        folder.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts))) as tar:
+            tar.extractall(folder, filter="data")
+        (run / "train_info.json").write_text(json.dumps({"drafter": str(folder), "imported": [p.name for p in parts],
+                                                          "train_seconds": None}))  # fmt: skip
+        print(f"import-drafters: {label} -> {folder}", file=sys.stderr)
+
+
 # ---------------------------------------------------------------- evaluation queue
 
 # DFlash recipe variants (issue 32 item 6: layers, block size, loss), each trained by
@@ -339,9 +390,17 @@ def main(argv=None) -> int:
     o.add_argument("--out", type=Path, required=True)
     t = sub.add_parser("table")
     t.add_argument("figures", nargs="+")
+    k = sub.add_parser("pack-drafter", help="a trained drafter as 15 MiB pieces, to return from a device call")
+    k.add_argument("--work", type=Path, required=True)
+    k.add_argument("--label", required=True, help="as `table` names it: ours-s0, dflash-s0, dflash-l5-dpace-s0, …")
+    k.add_argument("--out", type=Path, required=True)
+    m = sub.add_parser("import-drafters", help="unpack carried drafter pieces where evalqueue finds them")
+    m.add_argument("--work", type=Path, required=True)
+    m.add_argument("--source", type=Path, required=True)
     a = p.parse_args(argv)
     {"configs": configs, "ppl": ppl, "heldout": heldout, "neighbours": neighbours, "collect": collect, "table": table,
-     "evalqueue": evalqueue, "dflash-variant": lambda a: print(json.dumps(DFLASH_VARIANTS[a.name]))}[a.cmd](a)
+     "evalqueue": evalqueue, "dflash-variant": lambda a: print(json.dumps(DFLASH_VARIANTS[a.name])),
+     "pack-drafter": pack_drafter, "import-drafters": import_drafters}[a.cmd](a)
     return 0
 
 

@@ -23,7 +23,9 @@
 #
 # Everything is killed at DEADLINE seconds (default 540); what finished is in $OUT/figures.json.
 # MPS=1: the call's processes share the GPU through an MPS daemon of its own (see below; not yet run).
-# RETURN_DRAFTER=<label> (e.g. ours-s0): that drafter also comes back, as drafter-<label>.tar.part.NN.
+# RETURN_DRAFTER=<label> (e.g. ours-s0): that drafter also comes back, as drafter-<label>.tar.part.NN
+# (~47 MB: one a call); mode `return` only collects. A later session carries the pieces in
+# (.dev-smol/drafters/, by `stash`) and evaluates them without retraining (imported before evalqueue).
 # On the CPU (a smoke test): SKIP_INSTALL=1 DEVICE=cpu TINY=1 W=/tmp/smolcpu OUT=/tmp/smolcpu-out.
 set -u -o pipefail
 mode="$1"
@@ -61,6 +63,9 @@ stash() {
     fi
     for piece in .dev-smol/p*/gguf.part.*; do [ -e "$piece" ] && cp "$piece" "$S/"; done
     [ -d .dev-smol/data ] && cp -r .dev-smol/data "$S/"
+    if [ -d .dev-smol/drafters ]; then  # one folder per drafter (carry .dev-smol/drafters/<label>: ~47 MB each)
+        mkdir -p "$S/drafters" && find .dev-smol/drafters -name 'drafter-*.tar.part.*' -exec cp {} "$S/drafters/" \;
+    fi
     note "in $S: $(ls "$S" | tr '\n' ' ')"
 }
 
@@ -72,12 +77,9 @@ collect() {
     tar -czf "$OUT/logs.tar.gz" -C "$tails" . && rm -rf "$tails"
     # RETURN_DRAFTER=<label>: that trained drafter comes back too, in 15 MiB pieces (a returned file's
     # limit is 16 MiB; join with cat): for CPU work on a GPU-trained drafter
-    if [ -n "${RETURN_DRAFTER:-}" ]; then
-        local folder; folder=$(python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; \
-import smollm2; print(smollm2.trained_drafters(Path('$W')).get('$RETURN_DRAFTER', ''))")
-        [ -n "$folder" ] && tar -cf - -C "$folder" config.json eval.json model.safetensors \
-            | split -b 15M -d - "$OUT/drafter-$RETURN_DRAFTER.tar.part." || note "no trained drafter $RETURN_DRAFTER"
-    fi
+    for label in ${RETURN_DRAFTER:-}; do
+        python3 bench/smollm2.py pack-drafter --work "$W" --label "$label" --out "$OUT" || note "no drafter $label to return"
+    done
     ls -la "$OUT" >&2
 }
 
@@ -98,6 +100,7 @@ wait_all() {  # wait for the given pids, killing them at the deadline
 }
 
 evalqueue() {  # every trained drafter evaluated (bench/smollm2.py evalqueue) until all are done or the deadline
+    [ -d "$S/drafters" ] && python3 bench/smollm2.py import-drafters --work "$W" --source "$S/drafters"
     # few jobs at a time: processes side by side time-slice the GPU (2026-12-05, H100: 12 evaluations at
     # once, ~156 ms a batched reference step each), so more at once finish no sooner and lose more at the deadline
     python3 bench/smollm2.py evalqueue --work "$W" --seconds $((DEADLINE - $(elapsed) - 5)) --jobs ${JOBS:-4} \
@@ -118,6 +121,9 @@ qc() {  # TRAINER SEED [LABEL [ARGS…]]: one trainer at one seed, its own proce
 
 if [ "$mode" = stash ]; then
     stash
+fi
+if [ "$mode" = return ]; then
+    collect
 fi
 data_done() { [ -e "$W/results/hidden_states/data_config.json" ] && [ -e "$W/results/vocab/draft_vocab.safetensors" ]; }
 if [ "$mode" = all ] && [ -n "${RESUME:-}" ] && data_done; then
