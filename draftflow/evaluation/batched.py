@@ -41,6 +41,9 @@ from draftflow.evaluation.speculative import (
     _sample,
     _stop_index,
     _sync,
+    LazyProbs,
+    TargetVocabRows,
+    draft_vocab_target_ids,
     target_probs,
     verify_sampled,
 )
@@ -193,6 +196,7 @@ class BatchedEagle3Proposer:
         self.cache = MaskedKVCache(drafter.num_layers, batch, self.device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)  # target positions fed per row
         self._fed = 0  # cache entries that are target-derived (the rest: the last chain's drafts)
+        self._target_ids: torch.Tensor | None = None  # sampling: each draft id's target id, read once
 
     @torch.inference_mode()
     def propose(self, seqs: list[list[int]], next_tokens: list[list[int]], new_aux: list[torch.Tensor], k: int,
@@ -201,7 +205,7 @@ class BatchedEagle3Proposer:
         next_tokens[b]: the token after each of row b's new target states (aux [S_b, n_aux, H]);
         -> (k drafts per row, None per row) greedily; with `sampling`, row b's first k_eff[b] drafts
         are drawn from softmax(logits / T) with its own generator, as `Eagle3Proposer.propose_sampled`
-        draws them, and q[b] [k_eff[b], V] is their distribution over the target vocabulary (the
+        draws them, and q[b] ([k_eff[b]] rows of [V]) is their distribution over the target vocabulary (the
         remaining drafts are filler the caller ignores). Rows with no new states draft filler."""
         B = len(new_aux)
         S = max(1, max(a.shape[0] for a in new_aux))
@@ -241,16 +245,9 @@ class BatchedEagle3Proposer:
         rows_out = torch.stack(drafts, dim=1).tolist() if drafts else [[] for _ in range(B)]
         if sampling is None:
             return rows_out, [None] * B
-        return rows_out, [self._over_target_vocab(q) for q in qs]
-
-    def _over_target_vocab(self, qs: list[torch.Tensor]) -> torch.Tensor:
-        """[n] draft-vocabulary distributions -> [n, V] float64 over the target vocabulary."""
-        cfg = self.drafter.config
-        q_target = torch.zeros(len(qs), cfg.vocab_size, dtype=torch.float64)
-        if qs:
-            ids = self.drafter.to_target_ids(torch.arange(cfg.draft_vocab_size, device=self.device)).cpu()
-            q_target[:, ids] = torch.stack(qs)
-        return q_target
+        if self._target_ids is None:
+            self._target_ids = draft_vocab_target_ids(self.drafter)
+        return rows_out, [TargetVocabRows(q, self._target_ids, self.drafter.config.vocab_size) for q in qs]
 
 
 class MaskedContextCache(ContextCache):
@@ -422,7 +419,7 @@ def batched_speculative_decode(
                     a += 1
                 nxt = greedy[b][a]
             else:
-                p = target_probs(logits[b, : len(verified) + 1], sampling.temperature)  # [n+1, V]
+                p = LazyProbs(logits[b, : len(verified) + 1], sampling.temperature)  # [n+1, V], rows as read
                 q = qs[b][: len(verified)] if qs[b] is not None else None
                 a, nxt = verify_sampled(p, verified, q, sampling.generators[b])
             kept.append(1 + a)

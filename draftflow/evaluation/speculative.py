@@ -161,6 +161,7 @@ class Eagle3Proposer:
         self.drafter = drafter.eval()
         self._new_cache = lambda: KVCache(drafter.num_layers)
         self.device = drafter.fc.weight.device
+        self._target_ids: torch.Tensor | None = None  # sampling: each draft id's target id, read once
         self.reset()
 
     def reset(self) -> None:
@@ -176,7 +177,7 @@ class Eagle3Proposer:
         self, tokens: list[int], new_aux: torch.Tensor | None, k: int, temperature: float, generator: torch.Generator
     ) -> tuple[list[int], torch.Tensor]:
         """Drafts sampled from softmax(drafter logits / temperature), with that distribution over
-        the target vocabulary for each draft: (drafts, q [k, V] float64, CPU)."""
+        the target vocabulary for each draft: (drafts, q: k rows of [V] float64, CPU, `TargetVocabRows`)."""
         return self._draft(tokens, new_aux, k, (temperature, generator))
 
     def _draft(self, tokens, new_aux, k, sampling=None) -> tuple[list[int], torch.Tensor | None]:
@@ -209,13 +210,14 @@ class Eagle3Proposer:
                 logits, out, _ = self.drafter.step(draft[:, None], out[:, -1:], pos, self.cache)
         if sampling is None:
             return drafts, None
-        cfg = self.drafter.config
-        q_target = torch.zeros(len(qs), cfg.vocab_size, dtype=torch.float64)  # [k, V]
-        if qs:
-            q_target[:, self.drafter.to_target_ids(torch.arange(cfg.draft_vocab_size, device=self.device)).cpu()] = (
-                torch.stack(qs)
-            )
-        return drafts, q_target
+        if self._target_ids is None:
+            self._target_ids = draft_vocab_target_ids(self.drafter)
+        return drafts, TargetVocabRows(qs, self._target_ids, self.drafter.config.vocab_size)
+
+
+def draft_vocab_target_ids(drafter) -> torch.Tensor:
+    """[Vd] CPU: the target id of each EAGLE-3 draft-vocabulary id."""
+    return drafter.to_target_ids(torch.arange(drafter.config.draft_vocab_size, device=drafter.fc.weight.device)).cpu()
 
 
 class DFlashProposer:
@@ -402,6 +404,39 @@ def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits.double().cpu() / temperature, dim=-1)
 
 
+class LazyProbs:
+    """`target_probs` of a verify step's logits [n+1, V] (any device), one row at a time as
+    `verify_sampled` reads it: it needs the rows up to the first rejection, not all n + 1, and each
+    row read is one [V] copy to the CPU instead of the step's whole block."""
+
+    def __init__(self, logits: torch.Tensor, temperature: float):
+        self.logits, self.temperature = logits, temperature
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i not in self._rows:
+            self._rows[i] = target_probs(self.logits[i], self.temperature)
+        return self._rows[i]
+
+
+class TargetVocabRows:
+    """Draft distributions over the draft vocabulary ([Vd] float64 each), read as rows over the
+    target vocabulary ([V], zero outside the draft vocabulary), each built when first read."""
+
+    def __init__(self, draft_probs: list[torch.Tensor], target_ids: torch.Tensor, vocab_size: int):
+        self.draft_probs, self.target_ids, self.vocab_size = draft_probs, target_ids, vocab_size  # target_ids [Vd] CPU
+
+    def __len__(self) -> int:
+        return len(self.draft_probs)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return TargetVocabRows(self.draft_probs[i], self.target_ids, self.vocab_size)
+        row = torch.zeros(self.vocab_size, dtype=torch.float64)
+        row[self.target_ids] = self.draft_probs[i]
+        return row
+
+
 def _sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator)[0])
 
@@ -416,15 +451,17 @@ def verify_sampled(
     q = one-hot). Draft i is accepted with probability min(1, p_i(d)/q_i(d)); the first rejected
     one is replaced by a sample of norm(max(0, p_i - q_i)), and if all are accepted a bonus token
     comes from p_n. Every emitted token is then distributed exactly as the target's own sampling.
+    p and q are read row by row (p[i] -> [V]): tensors, or `LazyProbs` / `TargetVocabRows`.
     Returns (accepted drafts a, the token emitted after them).
     """
     for i, d in enumerate(drafts):
-        q_i = q[i] if q is not None else torch.nn.functional.one_hot(torch.tensor(d), p.shape[-1]).to(p.dtype)
-        if float(torch.rand((), generator=generator, dtype=torch.float64)) * float(q_i[d]) < float(p[i, d]):
+        p_i = p[i]
+        q_i = q[i] if q is not None else torch.nn.functional.one_hot(torch.tensor(d), p_i.shape[-1]).to(p_i.dtype)
+        if float(torch.rand((), generator=generator, dtype=torch.float64)) * float(q_i[d]) < float(p_i[d]):
             continue  # u < p/q, written without dividing (q_i(d) > 0: d was drawn from q_i)
-        residual = (p[i] - q_i).clamp_min(0.0)
+        residual = (p_i - q_i).clamp_min(0.0)
         total = float(residual.sum())
-        return i, _sample(residual / total if total > 0 else p[i], generator)
+        return i, _sample(residual / total if total > 0 else p_i, generator)
     return len(drafts), _sample(p[len(drafts)], generator)
 
 
@@ -481,7 +518,7 @@ def speculative_sample(
         q = q[: len(drafts)] if q is not None else None
         base = len(target)
         logits, aux = target.logits([seq[-1], *drafts], capture=capture)  # [n+1, V]
-        a, nxt = verify_sampled(target_probs(logits, temperature), drafts, q, generator)
+        a, nxt = verify_sampled(LazyProbs(logits, temperature), drafts, q, generator)
         target.crop(base + 1 + a)  # keep t and the accepted drafts
         aux = aux[: a + 1] if aux is not None else None
         new = drafts[:a] + [nxt]
