@@ -578,7 +578,8 @@ def evaluate_settings(method: str) -> dict:
     engine = evaluate_engine()
     settings = {**config["evaluate"], "aux_layer_ids": method_layer_ids(method)}
     settings["trust_remote_code"] = config["target"]["trust_remote_code"]
-    if settings.get("dtype") == "auto":  # the default: an evaluation from before the key keeps its params
+    # the default dtype is left out: an evaluation from before the key keeps its params
+    if settings.get("dtype") == "auto":
         settings.pop("dtype")
     if engine == "hf":
         settings.pop("server")
