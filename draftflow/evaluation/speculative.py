@@ -407,16 +407,13 @@ def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 class LazyProbs:
     """`target_probs` of a verify step's logits [n+1, V] (any device), one row at a time as
     `verify_sampled` reads it: it needs the rows up to the first rejection, not all n + 1, and each
-    row read is one [V] copy to the CPU instead of the step's whole block."""
+    row read is one [V] copy to the CPU instead of the step's whole block (each row is read once)."""
 
     def __init__(self, logits: torch.Tensor, temperature: float):
         self.logits, self.temperature = logits, temperature
-        self._rows: dict[int, torch.Tensor] = {}
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        if i not in self._rows:
-            self._rows[i] = target_probs(self.logits[i], self.temperature)
-        return self._rows[i]
+        return target_probs(self.logits[i], self.temperature)
 
 
 class TargetVocabRows:
