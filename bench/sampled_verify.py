@@ -1,13 +1,20 @@
-"""Host cost of speculative sampling's verification per batched step (issue 32, 2026-12-05).
+"""Cost of one batched speculative-sampling step's draws and verification (issue 32).
 
-A verify step at T = 1 draws each row's acceptance tests from float64 distributions on the CPU
-(exact arithmetic, the row's own generator). Before: every row's whole [n+1, V] block of target
-probabilities and its [n, V] draft distributions over the target vocabulary were built; now rows
-are built as `verify_sampled` reads them (`LazyProbs`, `TargetVocabRows`): up to the first
-rejection. This times both on the same random step, SmolLM2's shapes (V 49,152, draft vocabulary
-32,000), and checks that they draw the same tokens.
+At T = 1 a batched EAGLE-3 step draws K drafts per row from the drafter's distributions, then
+verifies each row's chain against the target's (acceptance tests, then a residual or bonus token).
+Two ways, on the same random step with SmolLM2's shapes (V 49,152, draft vocabulary 32,000):
 
-    .venv/bin/python bench/sampled_verify.py [--batch 80 --k 7 --noise 1.0]
+  rows     one row at a time, as the evaluator did until 2026-12-05: per row and draft a softmax of
+           its [Vd] logits and a draw; per row `verify_sampled` reading target rows as it needs them
+           (`LazyProbs`, `TargetVocabRows`). On a GPU every row read is a copy and a sync.
+  batched  every row at once on the logits' device (`RowSampling.sample`-style drafts through
+           `sample_rows`, `verify_sampled_rows`): the host draws each row's uniforms and compares
+           two [B, K] tables; a few transfers a step whatever B is.
+
+Both draw from each row's own generator in the same order, so they must return the same tokens
+(checked). On a CPU both do their arithmetic on the host; `--device cuda` times what a GPU step costs.
+
+    .venv/bin/python bench/sampled_verify.py [--batch 80 --k 7 --noise 1.0 --device cpu]
 
 --noise: logit noise between target and drafter (smaller: more drafts accepted, more rows read).
 """
@@ -24,33 +31,57 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from draftflow.evaluation.speculative import LazyProbs, TargetVocabRows, target_probs, verify_sampled  # noqa: E402
+from draftflow.evaluation.speculative import (  # noqa: E402
+    DraftDistributions,
+    LazyProbs,
+    TargetVocabRows,
+    draw_uniform,
+    sample_rows,
+    target_probs,
+    verify_sampled,
+    verify_sampled_rows,
+)
 
 
-def step_inputs(batch: int, k: int, V: int, Vd: int, noise: float, seed: int):
+def step_inputs(batch: int, k: int, V: int, Vd: int, noise: float, seed: int, device: str):
     g = torch.Generator().manual_seed(seed)
     target_ids = torch.randperm(V, generator=g)[:Vd].sort().values  # [Vd]
     logits = torch.randn(batch, k + 1, V, generator=g) * 3  # [B, k+1, V] target
     draft_logits = logits[:, :k, target_ids] + noise * torch.randn(batch, k, Vd, generator=g)  # [B, k, Vd]
-    q = torch.softmax(draft_logits.double(), -1)
-    drafts = target_ids[torch.multinomial(q.view(-1, Vd), 1, generator=g).view(batch, k)]  # [B, k] target ids
-    return logits, q, drafts, target_ids
+    return logits.to(device), draft_logits.to(device), target_ids.to(device)
 
 
-def run(mode: str, logits, q, drafts, target_ids, V: int, seed: int) -> tuple[float, list]:
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def one_row_at_a_time(logits, draft_logits, target_ids, seed: int) -> list:
+    B, k, V = logits.shape[0], draft_logits.shape[1], logits.shape[2]
     out = []
-    start = time.perf_counter()
-    for b in range(logits.shape[0]):
-        generator = torch.Generator().manual_seed(seed + b)
-        if mode == "whole":  # as before: the block and the draft rows built up front
-            p = target_probs(logits[b], 1.0)
-            q_rows = torch.zeros(q.shape[1], V, dtype=torch.float64)
-            q_rows[:, target_ids] = q[b]
-        else:
-            p = LazyProbs(logits[b], 1.0)
-            q_rows = TargetVocabRows(list(q[b]), target_ids, V)
-        out.append(verify_sampled(p, drafts[b].tolist(), q_rows, generator))
-    return time.perf_counter() - start, out
+    for b in range(B):
+        g = torch.Generator().manual_seed(seed + b)
+        qs, drafts = [], []
+        for i in range(k):  # the drafts, one softmax and one draw each
+            q = target_probs(draft_logits[b, i], 1.0)  # [Vd]
+            choice = int(sample_rows(q[None], torch.tensor([draw_uniform(g)], dtype=torch.float64))[0])
+            qs.append(q)
+            drafts.append(int(target_ids[choice]))
+        out.append(verify_sampled(LazyProbs(logits[b], 1.0), drafts, TargetVocabRows(qs, target_ids, V), g))
+    return out
+
+
+def all_rows_at_once(logits, draft_logits, target_ids, seed: int) -> list:
+    B, k = logits.shape[0], draft_logits.shape[1]
+    generators = [torch.Generator().manual_seed(seed + b) for b in range(B)]
+    qs, choices = [], []
+    for i in range(k):
+        qs.append(target_probs(draft_logits[:, i], 1.0))  # [B, Vd]
+        uniforms = torch.tensor([draw_uniform(g) for g in generators], dtype=torch.float64)
+        choices.append(sample_rows(qs[-1], uniforms))
+    q = DraftDistributions(qs, torch.stack(choices, 1), target_ids)
+    drafts = target_ids[q.index].tolist()  # [B][k] target ids
+    return verify_sampled_rows(logits, drafts, q, 1.0, generators)
 
 
 def main(argv=None) -> None:
@@ -62,23 +93,29 @@ def main(argv=None) -> None:
     p.add_argument("--noise", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    logits, q, drafts, target_ids = step_inputs(a.batch, a.k, a.vocab, a.draft_vocab, a.noise, 0)
-    seconds = {"whole": [], "lazy": []}
+    inputs = step_inputs(a.batch, a.k, a.vocab, a.draft_vocab, a.noise, 0, a.device)
+    ways = {"rows": one_row_at_a_time, "batched": all_rows_at_once}
+    seconds = {name: [] for name in ways}
     results = {}
     for _ in range(a.repeats):  # alternating, the same step each time
-        for mode in seconds:
-            s, results[mode] = run(mode, logits, q, drafts, target_ids, a.vocab, 100)
-            seconds[mode].append(s)
-    if results["whole"] != results["lazy"]:
-        raise SystemExit("the two verifications drew different tokens")
-    accepted = [acc for acc, _ in results["lazy"]]
+        for name, way in ways.items():
+            sync(a.device)
+            start = time.perf_counter()
+            results[name] = way(*inputs, seed=100)
+            sync(a.device)
+            seconds[name].append(time.perf_counter() - start)
+    if results["rows"] != results["batched"]:
+        raise SystemExit("the two ways drew different tokens")
+    accepted = [acc for acc, _ in results["batched"]]
     print(json.dumps({
-        "batch": a.batch, "k": a.k, "vocab": a.vocab, "draft_vocab": a.draft_vocab, "noise": a.noise,
-        "mean_accepted": round(sum(accepted) / len(accepted), 3), "same_tokens": True,
-        "whole_s_per_step": round(min(seconds["whole"]), 4), "lazy_s_per_step": round(min(seconds["lazy"]), 4),
-        "ratio": round(min(seconds["whole"]) / min(seconds["lazy"]), 2),
+        "device": a.device, "batch": a.batch, "k": a.k, "vocab": a.vocab, "draft_vocab": a.draft_vocab,
+        "noise": a.noise, "threads": a.threads, "mean_accepted": round(sum(accepted) / len(accepted), 3),
+        "same_tokens": True, "rows_s_per_step": round(min(seconds["rows"]), 4),
+        "batched_s_per_step": round(min(seconds["batched"]), 4),
+        "ratio": round(min(seconds["rows"]) / min(seconds["batched"]), 2),
     }))  # fmt: skip
 
 

@@ -13,7 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftflow.evaluation.speculative import Eagle3Proposer, Target, speculative_sample, target_probs, verify_sampled
+from draftflow.evaluation.speculative import (
+    DraftDistributions,
+    Eagle3Proposer,
+    Target,
+    TargetVocabRows,
+    sample_rows,
+    speculative_sample,
+    target_probs,
+    verify_sampled,
+    verify_sampled_rows,
+)
 from test_speculative import tiny_drafter, tiny_target
 
 
@@ -50,6 +60,54 @@ def test_deterministic_drafts_are_accepted_with_the_targets_probability():
         a, nxt = verify_sampled(p, [1], None, g)  # an n-gram draft: always token 1
         first[1 if a == 1 else nxt] += 1
     assert within_bound(first, p[0], n), first.double() / n
+
+
+def test_inverse_cdf_draws_hit_each_id_in_proportion_to_its_weight_and_never_a_zero_one():
+    weights = torch.tensor([[0.0, 2.0, 0.0, 1.0, 1.0, 0.0], [5.0, 0.0, 0.0, 0.0, 0.0, 3.0]], dtype=torch.float64)
+    n = 4000  # a grid of uniforms: the exact inverse CDF gives each id n * weight / total draws, +-1
+    grid = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    for row in weights:
+        ids = sample_rows(row.expand(n, -1), grid)
+        counts = torch.bincount(ids, minlength=row.numel()).double()
+        assert ((counts - n * row / row.sum()).abs() <= 1).all(), counts
+    # the ends of [0, 1): the first and the last id of positive weight, never a zero-weight one
+    ends = torch.tensor([0.0, torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0)).item()],
+                        dtype=torch.float64)  # fmt: skip
+    assert sample_rows(weights[0].expand(2, -1), ends).tolist() == [1, 4]
+    assert sample_rows(weights[1].expand(2, -1), ends).tolist() == [0, 5]
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "deterministic"])
+def test_batched_verification_draws_what_each_row_draws_alone(drafter):
+    """`verify_sampled_rows` against `verify_sampled` row by row, on one random step: chains of
+    different lengths (none too), a finished row, drafts that are accepted and rejected."""
+    B, W, V, Vd = 6, 4, 40, 25
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(B, W + 1, V, generator=g) * 2
+    target_ids = torch.randperm(V, generator=g)[:Vd].sort().values  # the draft vocabulary's target ids
+    lengths = [4, 2, 0, 3, None, 1]  # None: a finished row
+    results = {}
+    for trial in range(30):
+        q_logits = logits[:, :W, target_ids] + torch.randn(B, W, Vd, generator=g)
+        qs = [target_probs(q_logits[:, i], 1.0) for i in range(W)]  # per position [B, Vd]
+        index = torch.stack([torch.multinomial(q, 1, generator=g)[:, 0] for q in qs], 1)  # [B, W]
+        if drafter == "eagle3":
+            drafts = [None if n is None else target_ids[index[b, :n]].tolist() for b, n in enumerate(lengths)]
+            q = DraftDistributions(qs, index, target_ids)
+        else:  # prompt lookup: fixed drafts, often the target's likeliest
+            drafts = [None if n is None else logits[b, :n].argmax(-1).tolist() for b, n in enumerate(lengths)]
+            q = None
+        alone = []
+        for b, row in enumerate(drafts):
+            gen = torch.Generator().manual_seed(100 * trial + b)
+            rows_q = None if q is None else TargetVocabRows([qs[i][b] for i in range(W)], target_ids, V)
+            alone.append(None if row is None else verify_sampled(target_probs(logits[b], 0.7), row, rows_q, gen))
+        gens = [torch.Generator().manual_seed(100 * trial + b) for b in range(B)]
+        batched = verify_sampled_rows(logits, drafts, q, 0.7, gens)
+        assert batched == alone, (trial, batched, alone)
+        results[trial] = batched
+    outcomes = {a for r in results.values() for row in r if row for a in [row[0]]}
+    assert len(outcomes) >= 3  # rejections at several positions and whole chains accepted were exercised
 
 
 def exact_marginals(model, prompt: list[int], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

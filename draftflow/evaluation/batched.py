@@ -36,16 +36,16 @@ from draftflow.drafters.eagle3 import KVCache
 from draftflow.errors import DraftflowError
 from draftflow.evaluation.speculative import (
     DecodeResult,
+    DraftDistributions,
     NgramProposer,
     _decoder_layers,
-    _sample,
     _stop_index,
     _sync,
-    LazyProbs,
-    TargetVocabRows,
     draft_vocab_target_ids,
+    draw_uniform,
+    sample_rows,
     target_probs,
-    verify_sampled,
+    verify_sampled_rows,
 )
 
 
@@ -57,6 +57,15 @@ class RowSampling:
     temperature: float
     generators: list[torch.Generator]
     k_eff: list[int] = field(default_factory=list)
+
+    def uniforms(self, rows: Sequence[bool]) -> torch.Tensor:
+        """[B] float64 (CPU): a uniform from row b's generator where rows[b], else 0 (nothing drawn)."""
+        return torch.tensor([draw_uniform(g) if r else 0.0 for g, r in zip(self.generators, rows)], dtype=torch.float64)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[bool]) -> torch.Tensor:
+        """logits [B, V] -> [B] ids (device): row b sampled at the temperature where rows[b] (its
+        generator draws one uniform), an arbitrary id elsewhere."""
+        return sample_rows(target_probs(logits, self.temperature), self.uniforms(rows))
 
 
 def batching_refusal(model: nn.Module) -> str | None:
@@ -200,13 +209,13 @@ class BatchedEagle3Proposer:
 
     @torch.inference_mode()
     def propose(self, seqs: list[list[int]], next_tokens: list[list[int]], new_aux: list[torch.Tensor], k: int,
-                sampling: "RowSampling | None" = None) -> tuple[list[list[int]], list[torch.Tensor | None]]:  # fmt: skip
+                sampling: "RowSampling | None" = None) -> tuple[list[list[int]], DraftDistributions | None]:  # fmt: skip
         """seqs: unused (the drafter reads states, not tokens);
         next_tokens[b]: the token after each of row b's new target states (aux [S_b, n_aux, H]);
-        -> (k drafts per row, None per row) greedily; with `sampling`, row b's first k_eff[b] drafts
-        are drawn from softmax(logits / T) with its own generator, as `Eagle3Proposer.propose_sampled`
-        draws them, and q[b] ([k_eff[b]] rows of [V]) is their distribution over the target vocabulary (the
-        remaining drafts are filler the caller ignores). Rows with no new states draft filler."""
+        -> (k drafts per row, None) greedily; with `sampling`, row b's first k_eff[b] drafts are drawn
+        from softmax(logits / T) with its own generator, as `Eagle3Proposer.propose_sampled` draws them,
+        and the distributions they were drawn from (the remaining drafts are filler the caller
+        ignores). Rows with no new states draft filler."""
         B = len(new_aux)
         S = max(1, max(a.shape[0] for a in new_aux))
         self.cache.invalidate_from(self._fed)  # the previous chain's drafts
@@ -227,15 +236,16 @@ class BatchedEagle3Proposer:
         rows = torch.arange(B, device=self.device)
         logits, hidden = logits[rows, last][:, None], out[rows, last][:, None]  # [B, 1, Vd], [B, 1, H]
         drafts: list[torch.Tensor] = []
-        qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        qs: list[torch.Tensor] = []  # sampling: per draft position, [B, Vd]
+        choices: list[torch.Tensor] = []
         for i in range(k):
             choice = logits[:, -1].argmax(-1)  # [B] draft ids
-            if sampling is not None:
-                for b in range(B):
-                    if i < sampling.k_eff[b]:  # the row's own generator, only for the drafts it verifies
-                        q = torch.softmax(logits[b, -1].double().cpu() / sampling.temperature, -1)  # [Vd]
-                        choice[b] = torch.multinomial(q, 1, generator=sampling.generators[b])[0].to(self.device)
-                        qs[b].append(q)
+            if sampling is not None:  # each row's own generator, only for the drafts it verifies
+                drawing = [i < n for n in sampling.k_eff]
+                qs.append(target_probs(logits[:, -1], sampling.temperature))
+                sampled = sample_rows(qs[-1], sampling.uniforms(drawing))
+                choice = torch.where(torch.tensor(drawing, device=self.device), sampled, choice)
+                choices.append(choice)
             draft = self.drafter.to_target_ids(choice)  # [B] target ids
             drafts.append(draft)
             if i + 1 < k:  # fed back with the drafter's own hidden state, at the next position
@@ -243,11 +253,11 @@ class BatchedEagle3Proposer:
                 logits, hidden, _ = self.drafter.step(draft[:, None], hidden[:, -1:], (self.positions + i)[:, None],
                                                       self.cache)  # fmt: skip
         rows_out = torch.stack(drafts, dim=1).tolist() if drafts else [[] for _ in range(B)]
-        if sampling is None:
-            return rows_out, [None] * B
+        if sampling is None or not qs:
+            return rows_out, None
         if self._target_ids is None:
             self._target_ids = draft_vocab_target_ids(self.drafter)
-        return rows_out, [TargetVocabRows(q, self._target_ids, self.drafter.config.vocab_size) for q in qs]
+        return rows_out, DraftDistributions(qs, torch.stack(choices, 1), self._target_ids)
 
 
 class MaskedContextCache(ContextCache):
@@ -281,10 +291,10 @@ class BatchedDFlashProposer:
 
     @torch.inference_mode()
     def propose(self, seqs: list[list[int]], next_tokens: list[list[int]], new_aux: list[torch.Tensor], k: int,
-                sampling: RowSampling | None = None) -> tuple[list[list[int]], list[torch.Tensor | None]]:  # fmt: skip
+                sampling: RowSampling | None = None) -> tuple[list[list[int]], DraftDistributions | None]:  # fmt: skip
         """As `BatchedEagle3Proposer.propose`; next_tokens[b][-1] is row b's last emitted token, the
         block's first. Drafts per row: min(k, block_size - 1); sampling draws row b's first k_eff[b]
-        from its generator in one call, as `DFlashProposer.propose_sampled` does alone."""
+        with its generator in the block's order, as `DFlashProposer.propose_sampled` does alone."""
         d = self.drafter
         B = len(new_aux)
         S = max(1, max(a.shape[0] for a in new_aux))
@@ -301,17 +311,15 @@ class BatchedDFlashProposer:
         block_positions = self.positions[:, None] + torch.arange(bs, device=self.device)[None]
         n = min(k, bs - 1)
         logits = d.draft(ids, block_positions, self.cache)[:, 1 : 1 + n]  # [B, n, V]
-        drafts = logits.argmax(-1).tolist()
-        if sampling is None:
-            return drafts, [None] * B
-        qs = []
-        for b in range(B):
-            m = min(sampling.k_eff[b], n)
-            q = torch.softmax(logits[b, :m].double().cpu() / sampling.temperature, -1)  # [m, V]
-            if m:
-                drafts[b][:m] = torch.multinomial(q, 1, generator=sampling.generators[b])[:, 0].tolist()
-            qs.append(q)
-        return drafts, qs
+        drafts = logits.argmax(-1)  # [B, n]
+        if sampling is None or n == 0:
+            return drafts.tolist(), None
+        drawing = [[i < min(m, n) for i in range(n)] for m in sampling.k_eff]  # row by row, in block order
+        uniforms = torch.stack([sampling.uniforms([row[i] for row in drawing]) for i in range(n)], 1)  # [B, n]
+        q = target_probs(logits, sampling.temperature)  # [B, n, V]
+        sampled = sample_rows(q.flatten(0, 1), uniforms.flatten()).view(B, n)
+        drafts = torch.where(torch.tensor(drawing, device=self.device), sampled, drafts)
+        return drafts.tolist(), DraftDistributions(q.unbind(1), drafts)
 
 
 class BatchedNgramProposer:
@@ -321,11 +329,11 @@ class BatchedNgramProposer:
         self.lookup = lookup
 
     def propose(self, seqs: list[list[int]], next_tokens: list[list[int]], new_aux: list[torch.Tensor], k: int,
-                sampling: RowSampling | None = None) -> tuple[list[list[int]], list[None]]:  # fmt: skip
+                sampling: RowSampling | None = None) -> tuple[list[list[int]], None]:  # fmt: skip
         """seqs[b]: row b's tokens so far -> (row b's drafts, at most k or its k_eff when sampling, None:
         deterministic drafts, verified as one-hot proposals); the states are not read."""
         caps = sampling.k_eff if sampling is not None else [k] * len(seqs)
-        return [self.lookup.propose(seq, None, cap) for seq, cap in zip(seqs, caps)], [None] * len(seqs)
+        return [self.lookup.propose(seq, None, cap) for seq, cap in zip(seqs, caps)], None
 
 
 def batched_reference(
@@ -345,13 +353,12 @@ def batched_reference(
     outs = [DecodeResult([], 0.0) for _ in range(B)]
     done = [False] * B
     while True:
+        live = [not d for d in done]
+        tokens = (logits.argmax(-1) if sampling is None else sampling.sample(logits, live)).tolist()  # [B]
         for b in range(B):
             if done[b]:
                 continue
-            if sampling is None:
-                token = int(logits[b].argmax())
-            else:
-                token = _sample(target_probs(logits[b], sampling.temperature), sampling.generators[b])
+            token = tokens[b]
             outs[b].tokens.append(token)
             done[b] = token in eos_ids or len(outs[b].tokens) >= max_new_tokens
         if all(done):
@@ -389,8 +396,7 @@ def batched_speculative_decode(
     start = time.perf_counter()
     first, aux = target.prefill(prompts)
     if sampling is not None:
-        first = [_sample(target_probs(target.last_logits[b], sampling.temperature), sampling.generators[b])
-                 for b in range(B)]  # fmt: skip
+        first = sampling.sample(target.last_logits, [True] * B).tolist()
     outs = [DecodeResult([t], 0.0) for t in first]
     seqs = [list(p) + [t] for p, t in zip(prompts, first)]  # each ends with the token the target has not read
     fed = [len(p) for p in prompts]  # target positions each row has verified (and its drafter has seen)
@@ -405,7 +411,11 @@ def batched_speculative_decode(
         width = max(len(m) for m in mine)
         rows = [[s[-1], *m] + [s[-1]] * (width - len(m)) for s, m in zip(seqs, mine)]  # filler: dropped by keep
         logits, new_aux = target.verify_logits(rows)  # [B, 1 + width, V]
-        greedy = logits.argmax(-1).tolist() if sampling is None else None
+        if sampling is None:
+            greedy = logits.argmax(-1).tolist()
+        else:  # every row's acceptance tests and next token, the probabilities computed on the device
+            verdicts = verify_sampled_rows(logits, [None if d else m for d, m in zip(done, mine)], qs,
+                                           sampling.temperature, sampling.generators)  # fmt: skip
         kept, aux = [], []
         for b in range(B):
             if done[b]:
@@ -419,9 +429,7 @@ def batched_speculative_decode(
                     a += 1
                 nxt = greedy[b][a]
             else:
-                p = LazyProbs(logits[b, : len(verified) + 1], sampling.temperature)  # [n+1, V], rows as read
-                q = qs[b][: len(verified)] if qs[b] is not None else None
-                a, nxt = verify_sampled(p, verified, q, sampling.generators[b])
+                a, nxt = verdicts[b]
             kept.append(1 + a)
             new = verified[:a] + [nxt]
             keep = _stop_index(new, max_new_tokens - len(outs[b].tokens), eos_ids)

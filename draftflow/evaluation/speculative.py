@@ -177,7 +177,7 @@ class Eagle3Proposer:
         self, tokens: list[int], new_aux: torch.Tensor | None, k: int, temperature: float, generator: torch.Generator
     ) -> tuple[list[int], torch.Tensor]:
         """Drafts sampled from softmax(drafter logits / temperature), with that distribution over
-        the target vocabulary for each draft: (drafts, q: k rows of [V] float64, CPU, `TargetVocabRows`)."""
+        the target vocabulary for each draft: (drafts, q: k rows of [V] float64, `TargetVocabRows`)."""
         return self._draft(tokens, new_aux, k, (temperature, generator))
 
     def _draft(self, tokens, new_aux, k, sampling=None) -> tuple[list[int], torch.Tensor | None]:
@@ -200,8 +200,8 @@ class Eagle3Proposer:
                 d = logits[0, -1].argmax(-1)  # draft id
             else:
                 temperature, generator = sampling
-                q = torch.softmax(logits[0, -1].double().cpu() / temperature, -1)  # [Vd]
-                d = torch.multinomial(q, 1, generator=generator)[0].to(self.device)
+                q = target_probs(logits[0, -1], temperature)  # [Vd], on the drafter's device
+                d = sample_rows(q[None], torch.tensor([draw_uniform(generator)], dtype=torch.float64))[0]
                 qs.append(q)
             draft = self.drafter.to_target_ids(d[None])  # [1] target id
             drafts.append(int(draft))
@@ -216,8 +216,8 @@ class Eagle3Proposer:
 
 
 def draft_vocab_target_ids(drafter) -> torch.Tensor:
-    """[Vd] CPU: the target id of each EAGLE-3 draft-vocabulary id."""
-    return drafter.to_target_ids(torch.arange(drafter.config.draft_vocab_size, device=drafter.fc.weight.device)).cpu()
+    """[Vd], on the drafter's device: the target id of each EAGLE-3 draft-vocabulary id."""
+    return drafter.to_target_ids(torch.arange(drafter.config.draft_vocab_size, device=drafter.fc.weight.device))
 
 
 class DFlashProposer:
@@ -251,13 +251,15 @@ class DFlashProposer:
         self, tokens: list[int], new_aux: torch.Tensor | None, k: int, temperature: float, generator: torch.Generator
     ) -> tuple[list[int], torch.Tensor]:
         """Each draft of the block sampled from softmax(its logits / temperature): (drafts, q [k, V]
-        float64, CPU). The block's positions are drafted in one forward, so draft i's distribution
-        does not depend on drafts < i; verification needs only the q each draft was drawn from."""
+        float64, on the drafter's device). The block's positions are drafted in one forward, so draft
+        i's distribution does not depend on drafts < i; verification needs only the q each draft was
+        drawn from. The uniforms are drawn in the block's order."""
         logits = self._block_logits(tokens, new_aux, k)
         if logits is None:
-            return [], torch.zeros(0, self.drafter.config.vocab_size, dtype=torch.float64)
-        q = torch.softmax(logits.double().cpu() / temperature, -1)  # [k, V]
-        return torch.multinomial(q, 1, generator=generator)[:, 0].tolist(), q
+            return [], torch.zeros(0, self.drafter.config.vocab_size, dtype=torch.float64, device=self.device)
+        q = target_probs(logits, temperature)  # [k, V]
+        uniforms = torch.tensor([draw_uniform(generator) for _ in range(q.shape[0])], dtype=torch.float64)
+        return sample_rows(q, uniforms).tolist(), q
 
     def _block_logits(self, tokens: list[int], new_aux: torch.Tensor | None, k: int) -> torch.Tensor | None:
         """Feeds the new target states to the cache and drafts one block: logits [min(k, B-1), V]
@@ -400,14 +402,47 @@ def speculative_decode(
 
 
 def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[.., V] logits -> softmax(logits / temperature) in float64 on the CPU (exact sampling arithmetic)."""
-    return torch.softmax(logits.double().cpu() / temperature, dim=-1)
+    """[.., V] logits -> softmax(logits / temperature) in float64, on the logits' device."""
+    return torch.softmax(logits.double() / temperature, dim=-1)
+
+
+def draw_uniform(generator: torch.Generator) -> float:
+    """One uniform in [0, 1) from a request's own (CPU) generator: every random choice of a sampled
+    decode is one of these, in the order a lone request makes them, so a request's draws do not
+    depend on what it is batched with."""
+    return float(torch.rand((), generator=generator, dtype=torch.float64))
+
+
+def sample_rows(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws, one per row: weights [R, V] >= 0 (any device; a row need not sum to 1 but
+    must have mass), uniforms [R] in [0, 1) -> ids [R] on the weights' device, P(id) = weight / total.
+
+    Row r's id is the first whose cumulative weight exceeds u_r * total: always an id of positive
+    weight. Only the [R] uniforms go to the device and only the ids come back, so a batch of rows
+    costs one transfer each way instead of a copy and a CPU draw per row."""
+    cdf = weights.cumsum(-1)  # [R, V]
+    # u < 1 keeps u * total below total after rounding (the gap is >= half an ulp of total), so the
+    # search always lands inside the row
+    target = uniforms.to(cdf) * cdf[:, -1]  # [R]
+    return torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from probs [V] with a uniform from `generator` (`sample_rows` of one row)."""
+    u = torch.tensor([draw_uniform(generator)], dtype=torch.float64)
+    return int(sample_rows(probs[None], u)[0])
+
+
+def residual_weights(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What a rejected draft is resampled from: max(0, p - q) [.., V], unnormalised (`sample_rows`
+    normalises), or p itself where that is all zero (q = p: the draft was certain to be accepted)."""
+    residual = (p - q).clamp_min_(0.0)
+    return torch.where(residual.sum(-1, keepdim=True) > 0, residual, p, out=residual)
 
 
 class LazyProbs:
-    """`target_probs` of a verify step's logits [n+1, V] (any device), one row at a time as
-    `verify_sampled` reads it: it needs the rows up to the first rejection, not all n + 1, and each
-    row read is one [V] copy to the CPU instead of the step's whole block (each row is read once)."""
+    """`target_probs` of a verify step's logits [n+1, V], one row at a time as `verify_sampled`
+    reads it: it needs the rows up to the first rejection, not all n + 1."""
 
     def __init__(self, logits: torch.Tensor, temperature: float):
         self.logits, self.temperature = logits, temperature
@@ -421,7 +456,7 @@ class TargetVocabRows:
     target vocabulary ([V], zero outside the draft vocabulary), each built when first read."""
 
     def __init__(self, draft_probs: list[torch.Tensor], target_ids: torch.Tensor, vocab_size: int):
-        self.draft_probs, self.target_ids, self.vocab_size = draft_probs, target_ids, vocab_size  # target_ids [Vd] CPU
+        self.draft_probs, self.target_ids, self.vocab_size = draft_probs, target_ids, vocab_size  # target_ids [Vd]
 
     def __len__(self) -> int:
         return len(self.draft_probs)
@@ -429,13 +464,10 @@ class TargetVocabRows:
     def __getitem__(self, i):
         if isinstance(i, slice):
             return TargetVocabRows(self.draft_probs[i], self.target_ids, self.vocab_size)
-        row = torch.zeros(self.vocab_size, dtype=torch.float64)
-        row[self.target_ids] = self.draft_probs[i]
+        probs = self.draft_probs[i]
+        row = torch.zeros(self.vocab_size, dtype=torch.float64, device=probs.device)
+        row[self.target_ids.to(probs.device)] = probs
         return row
-
-
-def _sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator)[0])
 
 
 def verify_sampled(
@@ -449,17 +481,102 @@ def verify_sampled(
     one is replaced by a sample of norm(max(0, p_i - q_i)), and if all are accepted a bonus token
     comes from p_n. Every emitted token is then distributed exactly as the target's own sampling.
     p and q are read row by row (p[i] -> [V]): tensors, or `LazyProbs` / `TargetVocabRows`.
+    `verify_sampled_rows` is the same for a batch of chains, drawing the same tokens.
     Returns (accepted drafts a, the token emitted after them).
     """
     for i, d in enumerate(drafts):
         p_i = p[i]
-        q_i = q[i] if q is not None else torch.nn.functional.one_hot(torch.tensor(d), p_i.shape[-1]).to(p_i.dtype)
-        if float(torch.rand((), generator=generator, dtype=torch.float64)) * float(q_i[d]) < float(p_i[d]):
+        q_i = q[i] if q is not None else torch.nn.functional.one_hot(torch.tensor(d), p_i.shape[-1]).to(p_i)
+        if draw_uniform(generator) * float(q_i[d]) < float(p_i[d]):
             continue  # u < p/q, written without dividing (q_i(d) > 0: d was drawn from q_i)
-        residual = (p_i - q_i).clamp_min(0.0)
-        total = float(residual.sum())
-        return i, _sample(residual / total if total > 0 else p_i, generator)
+        return i, _sample(residual_weights(p_i, q_i), generator)
     return len(drafts), _sample(p[len(drafts)], generator)
+
+
+@dataclass
+class DraftDistributions:
+    """What a batch of rows' sampled drafts were drawn from, on the drafter's device.
+
+    probs[i] [B, Vq] float64: draft i of row b was drawn from probs[i][b], at index index[b, i] of Vq;
+    target_ids [Vq]: the target id of each index (EAGLE-3's draft vocabulary), None when Vq is the
+    target vocabulary (DFlash). One tensor a position, as drafted: nothing is stacked."""
+
+    probs: Sequence[torch.Tensor]
+    index: torch.Tensor
+    target_ids: torch.Tensor | None = None
+
+    def at_drafts(self, rows: torch.Tensor, position: int) -> torch.Tensor:
+        """rows [R] -> [R]: q(d), the probability the draft at `position` of each row was drawn with."""
+        return self.probs[position][rows].gather(-1, self.index[rows, position][:, None])[:, 0]
+
+    def rows(self, rows: Sequence[int], positions: Sequence[int], vocab_size: int) -> torch.Tensor:
+        """[R, V]: row rows[r]'s distribution at positions[r], over the target vocabulary."""
+        picked = torch.stack([self.probs[i][b] for b, i in zip(rows, positions)])  # [R, Vq]
+        if self.target_ids is None:
+            return picked
+        out = torch.zeros(picked.shape[0], vocab_size, dtype=picked.dtype, device=picked.device)
+        out[:, self.target_ids] = picked
+        return out
+
+
+def verify_sampled_rows(
+    logits: torch.Tensor,
+    drafts: Sequence[Sequence[int] | None],
+    q: DraftDistributions | None,
+    temperature: float,
+    generators: Sequence[torch.Generator],
+) -> list[tuple[int, int] | None]:
+    """`verify_sampled` for every row of one batched verify step, with the same draws per row.
+
+    logits [B, 1 + W, V] (any device): the target after row b's t, d_1 .. d_W; drafts[b]: the n_b <= W
+    drafts row b verifies (None: a finished row, which draws nothing); q: what they were drawn from
+    (None: deterministic drafts). Position by position, the rows still accepting get their p(d) and
+    q(d) computed together on the device and their acceptance tests drawn on the host: the rows of p
+    that one row at a time would read, with one transfer a position instead of one a row. Then every
+    row's residual or bonus token in one draw. Returns (a, the token emitted after the a accepted
+    drafts) per row, None for a finished row."""
+    device, V = logits.device, logits.shape[-1]
+    live = [b for b, row in enumerate(drafts) if row is not None]
+    accepted = {b: len(drafts[b]) for b in live}
+    residual_p: dict[int, torch.Tensor] = {}  # row -> p at its rejected position [V]
+    testing = [b for b in live if drafts[b]]
+    position = 0
+    while testing:
+        rows = torch.tensor(testing, device=device)
+        ids = torch.tensor([drafts[b][position] for b in testing], device=device)
+        p = target_probs(logits[rows, position], temperature)  # [R, V]
+        p_d = p.gather(-1, ids[:, None])[:, 0]
+        q_d = q.at_drafts(rows, position).to(p_d) if q is not None else torch.ones_like(p_d)
+        p_d, q_d = torch.stack([p_d, q_d]).tolist()
+        still = []
+        for j, b in enumerate(testing):
+            if draw_uniform(generators[b]) * q_d[j] < p_d[j]:
+                if position + 1 < len(drafts[b]):
+                    still.append(b)
+            else:
+                accepted[b] = position
+                residual_p[b] = p[j]
+        testing, position = still, position + 1
+    # the token after the accepted drafts: a residual where a draft was rejected, else the bonus (one
+    # uniform a row, so the two groups are drawn apart)
+    tokens: dict[int, int] = {}
+    bonus = [b for b in live if b not in residual_p]
+    if bonus:
+        rows = torch.tensor(bonus, device=device)
+        at = torch.tensor([accepted[b] for b in bonus], device=device)
+        uniforms = torch.tensor([draw_uniform(generators[b]) for b in bonus], dtype=torch.float64)
+        tokens.update(zip(bonus, sample_rows(target_probs(logits[rows, at], temperature), uniforms).tolist()))
+    if residual_p:
+        rejected = list(residual_p)
+        p = torch.stack([residual_p[b] for b in rejected])  # [R, V]
+        if q is not None:
+            q_at = q.rows(rejected, [accepted[b] for b in rejected], V).to(p)
+        else:
+            ids = torch.tensor([drafts[b][accepted[b]] for b in rejected], device=device)
+            q_at = torch.nn.functional.one_hot(ids, V).to(p)
+        uniforms = torch.tensor([draw_uniform(generators[b]) for b in rejected], dtype=torch.float64)
+        tokens.update(zip(rejected, sample_rows(residual_weights(p, q_at), uniforms).tolist()))
+    return [None if row is None else (accepted[b], tokens[b]) for b, row in enumerate(drafts)]
 
 
 def sample_decode(
