@@ -62,7 +62,9 @@ stash() {
         note "wheels installed"
     fi
     for piece in .dev-smol/p*/gguf.part.*; do [ -e "$piece" ] && cp "$piece" "$S/"; done
-    [ -d .dev-smol/data ] && cp -r .dev-smol/data "$S/"
+    # .dev-smol/data and any .dev-smol/data-* (e.g. data-sharegpt: the whole shipped ShareGPT, 27 MB
+    # gzipped, carried in a call of its own) land together in $S/data
+    for d in .dev-smol/data .dev-smol/data-*; do [ -d "$d" ] && mkdir -p "$S/data" && cp -r "$d"/. "$S/data/"; done
     if [ -d .dev-smol/drafters ]; then  # one folder per drafter (carry .dev-smol/drafters/<label>: ~47 MB each)
         mkdir -p "$S/drafters" && find .dev-smol/drafters -name 'drafter-*.tar.part.*' -exec cp {} "$S/drafters/" \;
     fi
