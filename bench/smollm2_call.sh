@@ -76,6 +76,10 @@ collect() {
     # the logs' tails in one file: a call returns at most 8 files
     local tails; tails=$(mktemp -d)
     for f in "$W"/logs-*.txt "$W"/qc-*.log "$W"/eval-*.log; do [ -e "$f" ] && tail -c 20000 "$f" > "$tails/$(basename "$f")"; done
+    # each extract job's own log (its tokens/s and where its minutes went: ~24k tokens/s on the H100)
+    for f in "$W"/results/logs/extract/*/*.log; do
+        [ -e "$f" ] && tail -c 4000 "$f" > "$tails/extract-$(basename "$(dirname "$f")")-$(basename "$f")"
+    done
     tar -czf "$OUT/logs.tar.gz" -C "$tails" . && rm -rf "$tails"
     # RETURN_DRAFTER=<label>: that trained drafter comes back too, in 15 MiB pieces (a returned file's
     # limit is 16 MiB; join with cat): for CPU work on a GPU-trained drafter
