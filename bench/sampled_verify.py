@@ -4,15 +4,18 @@ At T = 1 a batched EAGLE-3 step draws K drafts per row from the drafter's distri
 verifies each row's chain against the target's (acceptance tests, then a residual or bonus token).
 Two ways, on the same random step with SmolLM2's shapes (V 49,152, draft vocabulary 32,000):
 
-  rows     one row at a time, as the evaluator did until 2026-12-05: per row and draft a softmax of
-           its [Vd] logits and a draw; per row `verify_sampled` reading target rows as it needs them
-           (`LazyProbs`, `TargetVocabRows`). On a GPU every row read is a copy and a sync.
+  host     as the evaluator did until 2026-12-05 (ca1943e): per row and draft a copy of its [Vd]
+           logits to the host, a float64 softmax and `torch.multinomial` there; per row the target rows
+           up to the first rejection copied and softmaxed on the host. Other draws (multinomial), so
+           only its time is compared.
+  rows     the same row-at-a-time order with today's draws (`sample_rows`, `verify_sampled`): the
+           probabilities where the logits are, one sync per draw.
   batched  every row at once on the logits' device (`RowSampling.sample`-style drafts through
            `sample_rows`, `verify_sampled_rows`): the host draws each row's uniforms and compares
            two [B, K] tables; a few transfers a step whatever B is.
 
-Both draw from each row's own generator in the same order, so they must return the same tokens
-(checked). On a CPU both do their arithmetic on the host; `--device cuda` times what a GPU step costs.
+rows and batched draw from each row's own generator in the same order, so they must return the same
+tokens (checked). On a CPU both do their arithmetic on the host; `--device cuda` times what a GPU step costs.
 
     .venv/bin/python bench/sampled_verify.py [--batch 80 --k 7 --noise 1.0 --device cpu]
 
@@ -56,6 +59,35 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def host_side_as_before(logits, draft_logits, target_ids, seed: int) -> list:
+    """The pre-ca1943e evaluator's arithmetic, for its time: every row's softmaxes and draws on the host."""
+    B, k, V = logits.shape[0], draft_logits.shape[1], logits.shape[2]
+    host_ids = target_ids.cpu()
+    out = []
+    for b in range(B):
+        g = torch.Generator().manual_seed(seed + b)
+        qs, drafts = [], []
+        for i in range(k):
+            q = torch.softmax(draft_logits[b, i].double().cpu(), -1)  # [Vd]
+            choice = int(torch.multinomial(q, 1, generator=g)[0])
+            qs.append(q)
+            drafts.append(int(host_ids[choice]))
+        a = len(drafts)
+        for i, d in enumerate(drafts):
+            p_i = torch.softmax(logits[b, i].double().cpu(), -1)  # [V], read as the test needs it
+            q_i = torch.zeros(V, dtype=torch.float64)
+            q_i[host_ids] = qs[i]
+            if float(torch.rand((), generator=g, dtype=torch.float64)) * float(q_i[d]) >= float(p_i[d]):
+                residual = (p_i - q_i).clamp_min(0.0)
+                torch.multinomial(residual / residual.sum(), 1, generator=g)
+                a = i
+                break
+        if a == len(drafts):
+            torch.multinomial(torch.softmax(logits[b, a].double().cpu(), -1), 1, generator=g)
+        out.append(a)
+    return out
+
+
 def one_row_at_a_time(logits, draft_logits, target_ids, seed: int) -> list:
     B, k, V = logits.shape[0], draft_logits.shape[1], logits.shape[2]
     out = []
@@ -97,7 +129,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     inputs = step_inputs(a.batch, a.k, a.vocab, a.draft_vocab, a.noise, 0, a.device)
-    ways = {"rows": one_row_at_a_time, "batched": all_rows_at_once}
+    ways = {"host": host_side_as_before, "rows": one_row_at_a_time, "batched": all_rows_at_once}
     seconds = {name: [] for name in ways}
     results = {}
     for _ in range(a.repeats):  # alternating, the same step each time
@@ -113,9 +145,10 @@ def main(argv=None) -> None:
     print(json.dumps({
         "device": a.device, "batch": a.batch, "k": a.k, "vocab": a.vocab, "draft_vocab": a.draft_vocab,
         "noise": a.noise, "threads": a.threads, "mean_accepted": round(sum(accepted) / len(accepted), 3),
-        "same_tokens": True, "rows_s_per_step": round(min(seconds["rows"]), 4),
-        "batched_s_per_step": round(min(seconds["batched"]), 4),
-        "ratio": round(min(seconds["rows"]) / min(seconds["batched"]), 2),
+        "same_tokens": True, "host_s_per_step": round(min(seconds["host"]), 4),
+        "rows_s_per_step": round(min(seconds["rows"]), 4), "batched_s_per_step": round(min(seconds["batched"]), 4),
+        "host_over_batched": round(min(seconds["host"]) / min(seconds["batched"]), 2),
+        "rows_over_batched": round(min(seconds["rows"]) / min(seconds["batched"]), 2),
     }))  # fmt: skip
 
 

@@ -507,6 +507,7 @@ class DraftDistributions:
 
     def at_drafts(self, rows: torch.Tensor, position: int) -> torch.Tensor:
         """rows [R] -> [R]: q(d), the probability the draft at `position` of each row was drawn with."""
+        rows = rows.to(self.index.device)  # the drafter's device, which may not be the target's
         return self.probs[position][rows].gather(-1, self.index[rows, position][:, None])[:, 0]
 
     def rows(self, rows: Sequence[int], positions: Sequence[int], vocab_size: int) -> torch.Tensor:
