@@ -464,10 +464,14 @@ class TargetVocabRows:
     def __getitem__(self, i):
         if isinstance(i, slice):
             return TargetVocabRows(self.draft_probs[i], self.target_ids, self.vocab_size)
-        probs = self.draft_probs[i]
-        row = torch.zeros(self.vocab_size, dtype=torch.float64, device=probs.device)
-        row[self.target_ids.to(probs.device)] = probs
-        return row
+        return spread_over_target_vocab(self.draft_probs[i], self.target_ids, self.vocab_size)
+
+
+def spread_over_target_vocab(probs: torch.Tensor, target_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """probs [.., Vd] over a draft vocabulary -> [.., V] over the target's, zero outside target_ids [Vd]."""
+    out = torch.zeros(*probs.shape[:-1], vocab_size, dtype=probs.dtype, device=probs.device)
+    out[..., target_ids.to(probs.device)] = probs
+    return out
 
 
 def verify_sampled(
@@ -513,11 +517,7 @@ class DraftDistributions:
     def rows(self, rows: Sequence[int], positions: Sequence[int], vocab_size: int) -> torch.Tensor:
         """[R, V]: row rows[r]'s distribution at positions[r], over the target vocabulary."""
         picked = torch.stack([self.probs[i][b] for b, i in zip(rows, positions)])  # [R, Vq]
-        if self.target_ids is None:
-            return picked
-        out = torch.zeros(picked.shape[0], vocab_size, dtype=picked.dtype, device=picked.device)
-        out[:, self.target_ids] = picked
-        return out
+        return picked if self.target_ids is None else spread_over_target_vocab(picked, self.target_ids, vocab_size)
 
 
 def verify_sampled_rows(
