@@ -73,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default 2048; tiny 128)")
     p.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per forward (default 16384; tiny 512)")
     p.add_argument("--writer-threads", type=int, default=12, help="encoding/writing threads (16-core host: 12)")
+    p.add_argument("--ring-slots", type=int, default=ExtractOptions.ring_slots,
+                   help="pinned host buffers between the GPU and the writers (one batch each)")  # fmt: skip
     p.add_argument("--compression-level", type=int, default=1)
     p.add_argument("--forward-iters", type=int, default=None, help="timed forwards for (a) (default 10; tiny 5)")
     p.add_argument("--aux-layer-ids", type=int, nargs="+", default=None, help="default [1, N//2-1, N-4]")
@@ -168,6 +170,45 @@ def verify_first_batch(
 GOAL_RATIO = {"lossless": 0.72, "fp8": 0.40}
 
 
+class ForwardTimeline:
+    """CUDA events around every forward of the target body, on its stream: where the GPU's time
+    goes during an extraction (the host's clocks cannot tell a busy GPU from an idle one).
+
+    lead_s: the run's start to the first forward; forward_s: the forwards themselves;
+    gap_s: between one forward's end and the next one's start (the GPU idle, or running the
+    capture's own small kernels); tail_s: the last forward's end to the run's end."""
+
+    def __init__(self, body: torch.nn.Module):
+        self.spans: list[list[torch.cuda.Event]] = []
+        self.start, self.end = self._event(), None
+        self._hooks = [
+            body.register_forward_pre_hook(lambda module, args: self.spans.append([self._event()])),
+            body.register_forward_hook(lambda module, args, output: self.spans[-1].append(self._event())),
+        ]
+
+    @staticmethod
+    def _event() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def finish(self) -> dict:
+        self.end = self._event()
+        for hook in self._hooks:
+            hook.remove()
+        torch.cuda.synchronize()
+        forward = [a.elapsed_time(b) / 1e3 for a, b in self.spans]
+        gaps = [self.spans[i][1].elapsed_time(self.spans[i + 1][0]) / 1e3 for i in range(len(self.spans) - 1)]
+        return {
+            "forwards": len(forward),
+            "lead_s": round(self.start.elapsed_time(self.spans[0][0]) / 1e3, 3),
+            "forward_s": round(sum(forward), 3),
+            "gap_s": round(sum(gaps), 3),
+            "largest_gaps_s": sorted((round(g, 3) for g in gaps), reverse=True)[:5],
+            "tail_s": round(self.spans[-1][1].elapsed_time(self.end) / 1e3, 3),
+        }
+
+
 def extract_once(args, engine, records, aux, raw_hidden: int, per_batch: int, storage: str, forward_tps: float) -> dict:
     """(b) and (c) for one storage mode, in a temp store deleted afterwards unless --keep."""
     device = engine.device
@@ -179,13 +220,15 @@ def extract_once(args, engine, records, aux, raw_hidden: int, per_batch: int, st
         }  # fmt: skip
         options = ExtractOptions(
             batch_tokens=args.batch_tokens, compression_level=args.compression_level,
-            writer_threads=args.writer_threads, log_every_s=15.0, storage=storage,
+            writer_threads=args.writer_threads, log_every_s=15.0, storage=storage, ring_slots=args.ring_slots,
         )  # fmt: skip
         sync(device)
+        timeline = ForwardTimeline(engine.body) if device.type == "cuda" else None
         t0 = time.perf_counter()
         outcome = extract_range(records, engine, SampleStore(store_root), settings, options, label=f"bench-{storage}")
         sync(device)
         extract_s = time.perf_counter() - t0  # every file written and fsync'd
+        gpu_timeline = timeline.finish() if timeline is not None else None
         stored = sum(e.nbytes for e in outcome.entries)
         verify = verify_first_batch(engine, SampleStore(store_root), records, outcome.entries, per_batch, storage)
         checks = check_costs(SampleStore(store_root), outcome.entries, extract_s, args.writer_threads) if args.checks else None
@@ -198,6 +241,10 @@ def extract_once(args, engine, records, aux, raw_hidden: int, per_batch: int, st
             "extract_s": round(extract_s, 3),
             "capture_s": round(outcome.stats.capture_s, 3),
             "writer_wait_s": round(outcome.stats.writer_wait_s, 3),
+            # where extract_s goes beyond the forwards: before the first batch, pinning, after the last
+            **{k: round(getattr(outcome.stats, k), 3) for k in ("setup_s", "pin_s", "drain_s") if hasattr(outcome.stats, k)},
+            "forward_only_s": round(args.samples * args.seq_len / forward_tps, 3),  # the same tokens, bare forwards
+            **({"gpu_timeline": gpu_timeline} if gpu_timeline else {}),
             "bytes_stored": stored,
             "bytes_raw_payload": sum(e.raw_nbytes for e in outcome.entries),
             "ratio": round(stored / raw_hidden, 4),
@@ -285,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": "tiny-llama" if args.tiny else "llama-3.1-8b-shaped (random bf16)",
         "samples": args.samples, "seq_len": args.seq_len, "batch_tokens": args.batch_tokens,
         "samples_per_forward": per_batch, "aux_layer_ids": aux,
-        "writer_threads": args.writer_threads, "compression_level": args.compression_level,
+        "writer_threads": args.writer_threads, "ring_slots": args.ring_slots, "compression_level": args.compression_level,
         "bytes_raw_hidden_bf16": raw_hidden,
         "modes": modes,
         "model_build_s": round(build_s, 2),

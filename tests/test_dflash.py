@@ -126,8 +126,11 @@ def test_training_blocks_see_exactly_what_inference_drafting_sees():
     block_ids[..., 0] = torch.gather(ids, 1, start)
     with torch.no_grad():
         context_kv = drafter.context_kv(drafter.context(aux), torch.arange(T).expand(2, T))
-        for group in (1, 3, 64):
-            attend = AnchoredBlocks(context_kv, anchors, BLOCK, group=group)
+        # groups of any size; context lengths as needed (bucket 1), rounded up within T (5) and past
+        # T (256: zero rows appended); the lengths read from the anchors or given by the loader
+        for group, bucket, column_max in ((1, 1, None), (3, 5, None), (64, 256, None), (3, 256, [2, 9, 7, 12])):
+            attend = AnchoredBlocks(context_kv, anchors, BLOCK, group=group, context_bucket=bucket,
+                                    anchor_column_max=column_max)  # fmt: skip
             hidden = drafter.forward_blocks(block_ids.view(2, -1), block_pos.view(2, -1), attend).view(2, 4, BLOCK, H)
             for b in range(2):
                 for j, a in enumerate(anchors[b].tolist()):
@@ -141,6 +144,32 @@ def test_training_blocks_see_exactly_what_inference_drafting_sees():
                                 cache.append(drafter.context_kv(c, torch.arange(lo, hi)[None]))
                     alone = drafter.forward_blocks(block_ids[b : b + 1, j], block_pos[b : b + 1, j], cache)
                     torch.testing.assert_close(hidden[b, j], alone[0], rtol=1e-10, atol=1e-10)
+
+
+def test_anchored_blocks_refuse_column_maxima_of_another_batch():
+    anchors = torch.tensor([[0, 3], [2, 9]])
+    context_kv = [(torch.zeros(2, 1, 12, 4), torch.zeros(2, 1, 12, 4))]
+    with pytest.raises(ValueError, match="3 values for 2 anchor columns"):
+        AnchoredBlocks(context_kv, anchors, BLOCK, anchor_column_max=[2, 9, 4])
+
+
+def test_dflash_batches_carry_each_anchor_column_s_maximum_on_the_host():
+    """The attention's context lengths come with the batch as host integers, in a DataLoader worker
+    too, and stay on the host when the batch moves to the device (no read-back from the GPU)."""
+    from functools import partial
+
+    from draftflow.drafters.batching import AnchorPlan, collate
+    from test_packing import fake_sample
+
+    rng = np.random.default_rng(2)
+    samples = [fake_sample(rng, n) for n in (9, 30, 17)]
+    collate_fn = partial(collate, ttt_steps=BLOCK - 1, anchors=AnchorPlan(BLOCK, 5, seed=1, epoch=0))
+    loader = torch.utils.data.DataLoader(samples, batch_size=3, collate_fn=collate_fn, num_workers=1)
+    for batch in (next(iter(loader)), collate_fn(samples)):
+        expected = tuple(batch.anchors.max(dim=0).values.tolist())
+        assert batch.anchor_column_max == expected and all(isinstance(v, int) for v in expected)
+        moved = batch.to(torch.device("cpu"))
+        assert moved.extra()[1] == expected
 
 
 def test_spread_layout_is_dflash_s_own():

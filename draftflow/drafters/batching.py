@@ -35,6 +35,9 @@ class Batch:
     bad: tuple = ()  # storage.BadRead of samples that could not be read (left out of the tensors)
     anchors: torch.Tensor | None = None  # [B, n] int64 DFlash block anchors, -1: padding
     doc: torch.Tensor | None = None  # [B, T] int64 packed rows: the token's sample within its row, -1: padding
+    # [n] the largest anchor of each anchor column, as host integers: the attention's context lengths
+    # without reading the anchors back from the GPU (a plain tuple, which DDP leaves where it is)
+    anchor_column_max: tuple[int, ...] | None = None
 
     def _tensors(self) -> list[str]:
         return [k for k in _TENSORS if getattr(self, k) is not None]
@@ -51,7 +54,7 @@ class Batch:
         """Method-specific arguments of the objective after the normalizer (DFlash: anchors;
         EAGLE-3: the packed rows' sample ids)."""
         if self.anchors is not None:
-            return (self.anchors,)
+            return (self.anchors, self.anchor_column_max)
         return () if self.doc is None else (self.doc,)
 
 
@@ -148,7 +151,8 @@ def collate(
         rng = np.random.default_rng([anchors.seed, anchors.epoch, content])
     chosen = pad_anchors([choose_anchors(s.loss_mask, anchors.per_sample, rng) for s in samples] or [np.zeros(0)])
     counts = block_label_counts(mask, chosen, anchors.block_size)
-    return Batch(ids, mask, aux, final, counts, tokens, bad, chosen)
+    column_max = tuple(chosen.max(dim=0).values.tolist()) if chosen.numel() else None
+    return Batch(ids, mask, aux, final, counts, tokens, bad, chosen, anchor_column_max=column_max)
 
 
 def _batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:

@@ -410,35 +410,66 @@ def anchored_block_mask(anchors: torch.Tensor, block_size: int, context: int) ->
     return torch.cat([sees_ctx, own], dim=2)[:, None]
 
 
+CONTEXT_BUCKET = 256  # context lengths of the training attention are rounded up to a multiple of this
+
+
+def _leading_rows(pieces: Sequence[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """The first n rows along dim 2 of the tensor split into `pieces` (full pieces while they last),
+    zero rows appended past its end (to be masked). Whole pieces, not a slice of the full tensor:
+    a slice's backward is a full-size zero tensor and an add, for every group and layer."""
+    out, have = [], 0
+    for piece in pieces:
+        if have >= n:
+            break
+        out.append(piece)
+        have += piece.shape[2]
+    if have < n:
+        x = pieces[0]
+        out.append(x.new_zeros(x.shape[0], x.shape[1], n - have, x.shape[3]))
+    return out
+
+
 class AnchoredBlocks(BlockAttention):
     """Training: n blocks per sample, all in one forward (the query rows are the blocks one after
     another). Block j, anchored at a_j, sees the context rows t < a_j and its own rows: exactly
     the drafter's view at inference after the target verified x_0 .. x_{a_j}.
 
     Blocks go through attention in groups of `group` (anchors ascending): a group needs the
-    context only up to its largest anchor, which bounds the masked attention's size.
+    context only up to its largest anchor, which bounds the masked attention's size. That length
+    is rounded up to a multiple of `context_bucket` (the extra rows are masked out): every batch's
+    anchors differ, and each new key length made cuDNN build new attention plans on the host,
+    ~1.5 s a step for an 8B-shaped drafter, which idled the GPU. `anchor_column_max` [n] (the
+    batch's largest anchor per column, from the data loader) gives the lengths without reading
+    the anchors back from the GPU; without it they are read once.
     """
 
     def __init__(self, context_kv: list[tuple[torch.Tensor, torch.Tensor]], anchors: torch.Tensor, block_size: int,
-                 group: int = 64):  # fmt: skip
+                 group: int = 64, anchor_column_max: Sequence[int] | None = None,
+                 context_bucket: int = CONTEXT_BUCKET):  # fmt: skip
         self.context_kv = context_kv  # per layer: k, v [B, heads, T, d]
         self.anchors, self.block_size, self.group = anchors, block_size, group  # anchors [B, n]
         n = anchors.shape[1]
-        self._groups = []  # (row slice, context length, mask)
+        if anchor_column_max is None:
+            anchor_column_max = anchors.max(dim=0).values.tolist() if anchors.numel() else [-1] * n
+        if len(anchor_column_max) != n:
+            raise ValueError(f"anchor_column_max has {len(anchor_column_max)} values for {n} anchor columns")
+        self.context_bucket = context_bucket
+        self._groups = []  # (context length, mask) per group of anchors
         for g0 in range(0, n, group):
             g1 = min(n, g0 + group)
-            a = anchors[:, g0:g1]
-            context = int(a.max().clamp(min=0)) if a.numel() else 0
-            mask = anchored_block_mask(a, block_size, context)
-            self._groups.append((slice(g0 * block_size, g1 * block_size), context, mask))
+            needed = max(0, *anchor_column_max[g0:g1])
+            context = -(-needed // context_bucket) * context_bucket
+            self._groups.append((context, anchored_block_mask(anchors[:, g0:g1], block_size, context)))
 
     def attend(self, layer, q, k, v):
-        ck, cv = self.context_kv[layer]
+        ck, cv = self.context_kv[layer]  # [B, heads, T, d]
+        ck_pieces, cv_pieces = ck.split(self.context_bucket, dim=2), cv.split(self.context_bucket, dim=2)
+        rows = self.group * self.block_size  # query rows of a group (the last may have fewer)
         outs = []
-        for rows, context, mask in self._groups:
-            K = torch.cat([ck[:, :, :context], k[:, :, rows]], dim=2)
-            V = torch.cat([cv[:, :, :context], v[:, :, rows]], dim=2)
-            outs.append(F.scaled_dot_product_attention(q[:, :, rows], K, V, attn_mask=mask))
+        for (context, mask), q_g, k_g, v_g in zip(self._groups, q.split(rows, 2), k.split(rows, 2), v.split(rows, 2)):
+            K = torch.cat([*_leading_rows(ck_pieces, context), k_g], dim=2)
+            V = torch.cat([*_leading_rows(cv_pieces, context), v_g], dim=2)
+            outs.append(F.scaled_dot_product_attention(q_g, K, V, attn_mask=mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 

@@ -33,6 +33,8 @@ memory O(chunk × V), not O(rows × V).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import torch
 from torch import nn
@@ -181,9 +183,11 @@ class DFlashObjective(nn.Module):
     def steps(self) -> int:
         return self.drafter.block_size - 1
 
-    def block_hidden(self, input_ids: torch.Tensor, aux: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def block_hidden(self, input_ids: torch.Tensor, aux: torch.Tensor, anchors: torch.Tensor,
+                     anchor_column_max: Sequence[int] | None = None) -> torch.Tensor:  # fmt: skip
         """The drafting rows of every anchored block: input_ids [B, T], aux [B, T, n*H], anchors
-        [B, n] on the same device -> hidden [B, n, K, H] (K = B - 1, before the LM head)."""
+        [B, n] on the same device -> hidden [B, n, K, H] (K = B - 1, before the LM head).
+        `anchor_column_max`: the anchors' per-column maximum, known on the host (`AnchoredBlocks`)."""
         d, Bk = self.drafter, self.drafter.block_size
         B, T = input_ids.shape
         n = anchors.shape[1]
@@ -193,12 +197,14 @@ class DFlashObjective(nn.Module):
         ids[..., 0] = torch.gather(input_ids, 1, start)
         positions = torch.arange(T, device=anchors.device).expand(B, T)
         context_kv = d.context_kv(d.context(aux), positions)
-        hidden = d.forward_blocks(ids.view(B, n * Bk), block_pos.view(B, n * Bk), AnchoredBlocks(context_kv, anchors, Bk))
+        hidden = d.forward_blocks(ids.view(B, n * Bk), block_pos.view(B, n * Bk), AnchoredBlocks(context_kv, anchors, Bk, anchor_column_max=anchor_column_max))
         return hidden.view(B, n, Bk, -1)[:, :, 1:]  # row 0 holds the anchor's own token: no draft
 
-    def forward(self, input_ids, loss_mask, aux, target_probs, target_argmax, normalizer=None, anchors=None):
+    def forward(self, input_ids, loss_mask, aux, target_probs, target_argmax, normalizer=None, anchors=None,
+                anchor_column_max=None):  # fmt: skip
         """input_ids, loss_mask [B, T]; aux [B, T, n*H]; target_argmax [B, T] target ids (z_t's
-        argmax); anchors [B, n] (-1: padding); normalizer [B-1] label counts (default: this batch's)."""
+        argmax); anchors [B, n] (-1: padding); normalizer [B-1] label counts (default: this batch's);
+        anchor_column_max: the anchors' per-column maximum as host integers (`Batch.anchor_column_max`)."""
         del target_probs  # hard labels only
         d, Bk = self.drafter, self.drafter.block_size
         T = input_ids.shape[1]
@@ -207,7 +213,7 @@ class DFlashObjective(nn.Module):
             raise ValueError("DFlash needs the batch's anchors")
         anchors = anchors.to(device)
         n = anchors.shape[1]
-        hidden = self.block_hidden(input_ids, aux, anchors)  # [B, n, K, H]
+        hidden = self.block_hidden(input_ids, aux, anchors, anchor_column_max)  # [B, n, K, H]
 
         pos, _ = block_label_positions(anchors, Bk, T)  # [B, n, K]: a + k
         w = label_weights(loss_mask, anchors, Bk)  # [B, n, K]

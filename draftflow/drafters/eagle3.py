@@ -403,8 +403,8 @@ class TTTCache(AttentionCache):
     """
 
     def __init__(self, num_layers: int, chunk: int = 256, doc: torch.Tensor | None = None):
-        self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
-        self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.k: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in range(num_layers)]  # per layer, per step: pieces
+        self.v: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in range(num_layers)]
         self.chunk = chunk
         self.doc = doc
         self._masks: dict[tuple, torch.Tensor] = {}
@@ -425,20 +425,23 @@ class TTTCache(AttentionCache):
 
     def attend(self, layer, q, k, v):
         ks, vs = self.k[layer], self.v[layer]
-        ks.append(k)
-        vs.append(v)
+        # Every step's keys and values are kept as pieces of `chunk` rows, and a chunk's keys are a
+        # cat of whole pieces. Slicing the full tensors instead made every (chunk, step) backward a
+        # full-size zero tensor plus an add: most of the step's memory traffic on the GPU.
+        ks.append(k.split(self.chunk, dim=2))  # each piece [B, h, <=chunk, d]
+        vs.append(v.split(self.chunk, dim=2))
         n, T = len(ks), q.shape[2]
         if n == 1:
             if self.doc is None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(0, T, 1, q.device))
         outs = []
-        for start in range(0, T, self.chunk):
+        for c, (start, q_chunk) in enumerate(zip(range(0, T, self.chunk), q.split(self.chunk, dim=2))):
             end = min(T, start + self.chunk)
-            K = torch.cat([ks[0][:, :, :end]] + [ki[:, :, start:end] for ki in ks[1:]], dim=2)
-            V = torch.cat([vs[0][:, :, :end]] + [vi[:, :, start:end] for vi in vs[1:]], dim=2)
+            K = torch.cat([*ks[0][: c + 1], *(ki[c] for ki in ks[1:])], dim=2)  # step-0 rows :end, then row-aligned drafts
+            V = torch.cat([*vs[0][: c + 1], *(vi[c] for vi in vs[1:])], dim=2)
             mask = self._mask(start, end, n, q.device)
-            outs.append(F.scaled_dot_product_attention(q[:, :, start:end], K, V, attn_mask=mask))
+            outs.append(F.scaled_dot_product_attention(q_chunk, K, V, attn_mask=mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 

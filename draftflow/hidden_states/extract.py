@@ -157,18 +157,28 @@ class _SlotRing:
     """A bounded ring of host buffers, one per captured batch awaiting the writers.
 
     The capture loop blocks on `acquire` when the writers fall behind, so host memory stays
-    bounded. On CUDA the buffers are pinned (device->host copies run asynchronously);
-    on CPU a slot is just a permit (None).
+    bounded. On CUDA the buffers are pinned (device->host copies run asynchronously) and made
+    on first need: pinning ~0.5 GB takes a noticeable fraction of a second, which then overlaps
+    the forward just queued instead of delaying the first one. On CPU a slot is just a permit (None).
     """
 
     def __init__(self, count: int, numel: int, dtype: torch.dtype, pinned: bool):
         if count < 2:
             raise ValueError("the capture pipeline needs at least 2 slots (one in flight, one being written)")
         self._free: queue.Queue = queue.Queue()
-        for _ in range(count):
-            self._free.put(torch.empty(numel, dtype=dtype, pin_memory=True) if pinned else None)
+        self._unmade = count  # slots not yet allocated
+        self._numel, self._dtype, self._pinned = numel, dtype, pinned
+        self.alloc_s = 0.0  # time spent pinning host memory
 
     def acquire(self) -> torch.Tensor | None:
+        if self._unmade and self._free.empty():
+            self._unmade -= 1
+            if not self._pinned:
+                return None
+            t0 = time.monotonic()
+            slot = torch.empty(self._numel, dtype=self._dtype, pin_memory=True)
+            self.alloc_s += time.monotonic() - t0
+            return slot
         return self._free.get()
 
     def release(self, slot: torch.Tensor | None) -> None:
@@ -299,6 +309,9 @@ class ExtractStats:
     padded_tokens: int = 0  # batch size × longest length, summed over the batches run
     capture_s: float = 0.0  # launching captures and waiting for their results
     writer_wait_s: float = 0.0  # capture loop blocked because every host slot awaited the writers
+    pin_s: float = 0.0  # allocating the pinned host slots (part of capture_s)
+    setup_s: float = 0.0  # start of the run to the first batch queued (plan, store lookups, writers)
+    drain_s: float = 0.0  # last batch handed to the writers to every file written
     wall_s: float = 0.0
 
     @property
@@ -421,13 +434,17 @@ class _RangeRun:
             if key in self.present:
                 self.futures[pos] = self.writer.submit_existing(key, self.records[pos].sample_id)
         error: CaptureError | None = None
+        self.stats.setup_s = time.monotonic() - t0
         try:
             self._capture_loop(todo)
         except CaptureError as e:
             error = e
         finally:
+            t_drain = time.monotonic()
             results = _collect(self.futures)  # wait for the writers, also when stopping on an error
             self.writer.close()
+            self.stats.drain_s = time.monotonic() - t_drain
+            self.stats.pin_s = ring.alloc_s
         if error is not None:
             raise DraftflowError(
                 f"{self.label}: {error}. Samples stored before this one are kept and will be reused; "
