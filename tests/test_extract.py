@@ -115,6 +115,27 @@ def test_read_records_parses_only_the_range(tmp_path):
         read_records(path, 0, 1)
 
 
+def test_host_slots_are_made_on_first_need_and_then_bound_the_pipeline():
+    """Slots are made as the capture loop first asks (pinning overlaps the queued forward), never
+    more than `count`: once all are out, the next batch waits for a slot the writers give back."""
+    import threading
+
+    from draftflow.hidden_states.extract import _SlotRing
+
+    ring = _SlotRing(2, 8, torch.float32, pinned=False)
+    first, second = ring.acquire(), ring.acquire()  # made on demand (CPU: permits)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(ring.acquire()), daemon=True)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and not got  # a third slot is never made
+    ring.release(first)
+    waiter.join(5)
+    assert not waiter.is_alive() and len(got) == 1
+    ring.release(second)
+    assert ring.acquire() is None and ring.alloc_s == 0.0
+
+
 def test_nan_capture_fails_naming_the_sample(target, split, tmp_path):
     path, records = split
     bad = records[4]  # 17 tokens: mid-way in length order, after the shorter samples' batches

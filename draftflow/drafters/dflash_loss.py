@@ -197,7 +197,8 @@ class DFlashObjective(nn.Module):
         ids[..., 0] = torch.gather(input_ids, 1, start)
         positions = torch.arange(T, device=anchors.device).expand(B, T)
         context_kv = d.context_kv(d.context(aux), positions)
-        hidden = d.forward_blocks(ids.view(B, n * Bk), block_pos.view(B, n * Bk), AnchoredBlocks(context_kv, anchors, Bk, anchor_column_max=anchor_column_max))
+        attend = AnchoredBlocks(context_kv, anchors, Bk, anchor_column_max=anchor_column_max)
+        hidden = d.forward_blocks(ids.view(B, n * Bk), block_pos.view(B, n * Bk), attend)
         return hidden.view(B, n, Bk, -1)[:, :, 1:]  # row 0 holds the anchor's own token: no draft
 
     def forward(self, input_ids, loss_mask, aux, target_probs, target_argmax, normalizer=None, anchors=None,
