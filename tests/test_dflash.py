@@ -10,6 +10,7 @@ forwards), so equality with greedy decoding is asserted exactly.
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -26,8 +27,11 @@ from draftflow.drafters.dflash import (
 )
 from draftflow.drafters.dflash_loss import (
     DFlashObjective,
+    FusedChunks,
     LinearCrossEntropy,
     block_label_counts,
+    ce_chunk_grad,
+    ce_chunk_stats,
     choose_anchors,
     dpace_weights,
     pad_anchors,
@@ -192,13 +196,23 @@ def test_config_round_trip_and_engine_keys():
 # ---------------------------------------------------------------- objective
 
 
-def test_linear_cross_entropy_equals_full_logits_cross_entropy():
+@pytest.mark.parametrize(
+    "passes",
+    ["eager", "fused", pytest.param("compiled", marks=[
+        pytest.mark.slow, pytest.mark.skipif(shutil.which("cc") is None, reason="torch.compile on CPU needs a C compiler")])],
+)  # fmt: skip
+def test_linear_cross_entropy_equals_full_logits_cross_entropy(passes):
+    """In chunks, with the logits recomputed in backward: eager in place, the out-of-place passes
+    that `FusedChunks` compiles, and those compiled (dynamic shapes: the last chunk is shorter)."""
+    fused = {"eager": None, "fused": FusedChunks(ce_chunk_stats, ce_chunk_grad)}.get(passes) or (
+        FusedChunks.compiled() if passes == "compiled" else None
+    )
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 16, generator=g, dtype=torch.float64)
     labels = torch.randint(0, 50, (37,), generator=g)
     scale = torch.rand(37, generator=g, dtype=torch.float64)
-    ce, pred = LinearCrossEntropy.apply(hidden, weight, labels, 8)  # 5 chunks
+    ce, pred = LinearCrossEntropy.apply(hidden, weight, labels, 8, fused)  # 5 chunks
     (ce * scale).sum().backward()
     grad = hidden.grad.clone()
     hidden.grad = None

@@ -33,7 +33,8 @@ memory O(chunk × V), not O(rows × V).
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -126,21 +127,53 @@ class ArgmaxHead(nn.Module):
         return TargetInfo(final.new_zeros(B, T, 0), argmax)  # no probabilities: hard labels
 
 
+def ce_chunk_stats(z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's forward: logits z [c, V] (fp32 or float64), labels y [c] -> (log-sum-exp [c],
+    cross-entropy [c], argmax [c])."""
+    lse = torch.logsumexp(z, dim=-1)
+    return lse, lse - z.gather(1, y[:, None])[:, 0], z.argmax(-1)
+
+
+def ce_chunk_grad(z: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, grad_ce: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """One chunk's d(grad_ce · CE)/dz = (softmax(z) - onehot(y)) · grad_ce, [c, V] in `dtype`.
+    Written out of place for `torch.compile` to fuse into one pass over z (the eager backward
+    of `LinearCrossEntropy` works in place instead: no [c, V] temporaries)."""
+    onehot = torch.arange(z.shape[1], device=z.device)[None, :] == y[:, None]  # [c, V]
+    return ((torch.exp(z - lse[:, None]) - onehot.to(z.dtype)) * grad_ce[:, None]).to(dtype)
+
+
+@dataclass(frozen=True)
+class FusedChunks:
+    """`ce_chunk_stats` and `ce_chunk_grad` compiled: one or two passes over each [c, V] logit
+    chunk each way instead of eager mode's several (on an H100 the eager passes were ~100 ms of
+    a 0.78 s DFlash step at the 8B bench shape; BENCHMARKS.md, "What the profiles found")."""
+
+    stats: Callable
+    grad: Callable
+
+    @classmethod
+    def compiled(cls) -> "FusedChunks":
+        return cls(torch.compile(ce_chunk_stats, dynamic=True), torch.compile(ce_chunk_grad, dynamic=True))
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """(CE [R], argmax [R]) of logits = hidden @ weight.T against labels, in chunks of rows,
-    without keeping [R, V] logits: backward recomputes each chunk's logits. `weight` is frozen."""
+    without keeping [R, V] logits: backward recomputes each chunk's logits. `weight` is frozen.
+    `fused`: the per-chunk passes as `FusedChunks` (None: eager, in place)."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
+                fused: FusedChunks | None = None):  # fmt: skip
+        stats = fused.stats if fused is not None else ce_chunk_stats
         ces, preds, lses = [], [], []
         for h, y in zip(hidden.split(chunk), labels.split(chunk)):
-            z = _logits(h, weight)  # [c, V] fp32 (or float64)
-            lse = torch.logsumexp(z, dim=-1)
-            ces.append(lse - z.gather(1, y[:, None])[:, 0])
-            preds.append(z.argmax(-1))
+            lse, ce, pred = stats(_logits(h, weight), y)  # logits [c, V] fp32 (or float64)
+            ces.append(ce)
+            preds.append(pred)
             lses.append(lse)
         ctx.save_for_backward(hidden, weight, labels, torch.cat(lses) if lses else hidden.new_zeros(0))
-        ctx.chunk = chunk
+        ctx.chunk, ctx.fused = chunk, fused
         pred = torch.cat(preds) if preds else labels.new_zeros(0)
         ctx.mark_non_differentiable(pred)
         return (torch.cat(ces) if ces else hidden.new_zeros(0, dtype=torch.float32)), pred
@@ -152,12 +185,15 @@ class LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk):
             sl = slice(start, start + ctx.chunk)
             z = _logits(hidden[sl], weight)
-            g = z.sub_(lse[sl, None]).exp_()  # softmax
-            g[torch.arange(g.shape[0], device=g.device), labels[sl]] -= 1.0
-            g.mul_(grad_ce[sl, None])
-            grads.append((g.to(weight.dtype) @ weight).to(hidden.dtype))
+            if ctx.fused is not None:
+                g = ctx.fused.grad(z, lse[sl], labels[sl], grad_ce[sl], weight.dtype)
+            else:
+                g = z.sub_(lse[sl, None]).exp_()  # softmax
+                g[torch.arange(g.shape[0], device=g.device), labels[sl]] -= 1.0
+                g = g.mul_(grad_ce[sl, None]).to(weight.dtype)
+            grads.append((g @ weight).to(hidden.dtype))
         grad = torch.cat(grads) if grads else torch.zeros_like(hidden)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 # ---------------------------------------------------------------- the objective
@@ -168,7 +204,8 @@ class DFlashObjective(nn.Module):
     [len(STAT_ROWS), B-1], same call as `ttt.TTTObjective` plus the batch's anchors."""
 
     def __init__(self, drafter: DFlashDrafter, decay: float, labels: str = "target", compile: bool = False,
-                 ce_chunk: int = 4096, weighting: str = "decay", dpace_alpha: float = 0.5):  # fmt: skip
+                 ce_chunk: int = 4096, weighting: str = "decay", dpace_alpha: float = 0.5,
+                 fused_ce: bool = False):  # fmt: skip
         super().__init__()
         if labels not in LABELS:
             raise ValueError(f"labels must be one of {LABELS}, got {labels!r}")
@@ -176,6 +213,9 @@ class DFlashObjective(nn.Module):
             raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
         self.drafter, self.decay, self.labels, self.ce_chunk = drafter, decay, labels, ce_chunk
         self.weighting, self.dpace_alpha = weighting, dpace_alpha
+        # compiled per-chunk cross-entropy passes (`FusedChunks`): off until measured on a GPU
+        # (`bench/train_throughput.py --method dflash --fused-ce`)
+        self.fused = FusedChunks.compiled() if fused_ce else None
         if compile:
             drafter.compile_pointwise()
 
@@ -221,7 +261,7 @@ class DFlashObjective(nn.Module):
         greedy = torch.gather(target_argmax[:, None, :].expand(-1, n, -1), 2, (pos - 1).clamp(min=0))  # g_{a+k}: z_{a+k-1}
         labels = greedy if self.labels == "target" else torch.gather(input_ids[:, None, :].expand(-1, n, -1), 2, pos)
         rows = w.nonzero(as_tuple=True)
-        ce, pred = LinearCrossEntropy.apply(hidden[rows], d.lm_head.weight, labels[rows], self.ce_chunk)
+        ce, pred = LinearCrossEntropy.apply(hidden[rows], d.lm_head.weight, labels[rows], self.ce_chunk, self.fused)
 
         K = Bk - 1
         k_of = rows[2]  # block row (0-based: k - 1) of every labelled row
