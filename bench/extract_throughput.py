@@ -242,7 +242,7 @@ def extract_once(args, engine, records, aux, raw_hidden: int, per_batch: int, st
             "capture_s": round(outcome.stats.capture_s, 3),
             "writer_wait_s": round(outcome.stats.writer_wait_s, 3),
             # where extract_s goes beyond the forwards: before the first batch, pinning, after the last
-            **{k: round(getattr(outcome.stats, k), 3) for k in ("setup_s", "pin_s", "drain_s") if hasattr(outcome.stats, k)},
+            **{k: round(getattr(outcome.stats, k), 3) for k in ("setup_s", "pin_s", "drain_s")},
             "forward_only_s": round(args.samples * args.seq_len / forward_tps, 3),  # the same tokens, bare forwards
             **({"gpu_timeline": gpu_timeline} if gpu_timeline else {}),
             "bytes_stored": stored,

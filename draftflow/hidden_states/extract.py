@@ -309,7 +309,7 @@ class ExtractStats:
     padded_tokens: int = 0  # batch size × longest length, summed over the batches run
     capture_s: float = 0.0  # launching captures and waiting for their results
     writer_wait_s: float = 0.0  # capture loop blocked because every host slot awaited the writers
-    pin_s: float = 0.0  # allocating the pinned host slots (part of capture_s)
+    pin_s: float = 0.0  # allocating the pinned host slots (inside writer_wait_s: it happens as a slot is taken)
     setup_s: float = 0.0  # start of the run to the first batch queued (plan, store lookups, writers)
     drain_s: float = 0.0  # last batch handed to the writers to every file written
     wall_s: float = 0.0
