@@ -26,6 +26,8 @@
 # RETURN_DRAFTER=<label> (e.g. ours-s0): that drafter also comes back, as drafter-<label>.tar.part.NN
 # (~47 MB: one a call); mode `return` only collects. A later session carries the pieces in
 # (.dev-smol/drafters/, by `stash`) and evaluates them without retraining (imported before evalqueue).
+# SPEC_KERNELS=own: speculators trains with its own kernels (flex attention, a fused loss: compiled
+# on the first step) instead of eager ones.
 # On the CPU (a smoke test): SKIP_INSTALL=1 DEVICE=cpu TINY=1 W=/tmp/smolcpu OUT=/tmp/smolcpu-out.
 set -u -o pipefail
 mode="$1"
@@ -119,7 +121,7 @@ qc() {  # TRAINER SEED [LABEL [ARGS…]]: one trainer at one seed, its own proce
     local trainer=$1 seed=$2 label=${3:-$LABEL}
     shift 2; shift $(($# > 0 ? 1 : 0))
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True setsid python3 bench/quality_compare.py --results "$W/results" --config "$W/config.yaml" --work "$W/qc" \
-        --trainers "$trainer" --seeds "$seed" --train-only --device "$DEVICE" --threads 2 --spec-kernels eager \
+        --trainers "$trainer" --seeds "$seed" --train-only --device "$DEVICE" --threads 2 --spec-kernels ${SPEC_KERNELS:-eager} \
         --label "$label" --set train.num_workers=2 --set train.save_every_steps=40 --resume ${QC_SETS:-} "$@" \
         --output "$W/qc.jsonl" > "$W/qc-$trainer-$label-$seed.log" 2>&1 &
     echo $!

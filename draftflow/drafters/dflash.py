@@ -345,9 +345,13 @@ class DFlashAttention(nn.Module):
         v = self._heads(self.v_proj(x), self.kv_heads)
         return self._expand(k), self._expand(v)
 
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, S, H] (normed) -> q [B, heads, S, d]: q-normed, RoPE'd."""
+        return apply_rope(self.q_norm(self._heads(self.q_proj(x), self.heads)), cos, sin)
+
     def forward(self, x, cos, sin, attend: "BlockAttention", layer: int) -> torch.Tensor:
         B, S, _ = x.shape  # x [B, S, H]: the block rows, after input_layernorm
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.heads)), cos, sin)
+        q = self.query(x, cos, sin)
         k, v = self.key_value(x, cos, sin)
         out = attend.attend(layer, q, k, v)  # [B, heads, S, d]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, self.heads * self.head_dim))
@@ -513,10 +517,14 @@ class DFlashDrafter(nn.Module):
         init_linears_and_norms(self, std)
 
     def compile_pointwise(self) -> None:
-        """torch.compile the norms and MLPs in place (as `Eagle3Drafter.compile_pointwise`)."""
+        """torch.compile the norms, MLPs and attention projections in place (as
+        `Eagle3Drafter.compile_pointwise`: the head norm, RoPE and GQA expansion in one pass each way)."""
         for m in self.modules():
             if isinstance(m, (RMSNorm, MLP)):
                 m.compile(dynamic=True)
+            elif isinstance(m, DFlashAttention):
+                m.query = torch.compile(m.query, dynamic=True)
+                m.key_value = torch.compile(m.key_value, dynamic=True)
 
     def set_target(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         self.embed_tokens.weight = embed

@@ -267,8 +267,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, cache: "AttentionCache", layer: int) -> torch.Tensor:
-        B, S, _ = x.shape  # x [B, S, in]
+    def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, S, in] -> q, k, v [B, h, S, d]: projected, RoPE on q and k, GQA heads expanded.
+        One region for `compile_pointwise`: RoPE and the expansion become one pass each way."""
+        B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.heads, self.head_dim).transpose(1, 2)  # [B, h, S, d]
         k = self.k_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, S, d]
         v = self.v_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -276,6 +278,11 @@ class Attention(nn.Module):
         if self.kv_heads != self.heads:  # expand GQA heads: keeps SDPA on its fused masked kernels
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        return q, k, v
+
+    def forward(self, x, cos, sin, cache: "AttentionCache", layer: int) -> torch.Tensor:
+        B, S, _ = x.shape  # x [B, S, in]
+        q, k, v = self.project(x, cos, sin)
         out = cache.attend(layer, q, k, v)  # [B, h, S, d]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, self.heads * self.head_dim))
 
@@ -303,9 +310,13 @@ class MidLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.norm_before_residual = cfg.norm_before_residual
 
-    def forward(self, embeds, hidden, cos, sin, cache, layer: int):
+    def attention_input(self, embeds, hidden) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (x [B, S, 2H], hidden_norm(hidden) [B, S, H]); compiled, the norms write x in one pass."""
         normed = self.hidden_norm(hidden)
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        return torch.cat([self.input_layernorm(embeds), normed], dim=-1), normed
+
+    def forward(self, embeds, hidden, cos, sin, cache, layer: int):
+        x, normed = self.attention_input(embeds, hidden)
         residual = (normed if self.norm_before_residual else hidden) + self.self_attn(x, cos, sin, cache, layer)
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
@@ -409,9 +420,11 @@ class TTTCache(AttentionCache):
         self.doc = doc
         self._masks: dict[tuple, torch.Tensor] = {}
 
-    def _mask(self, start: int, end: int, n: int, device) -> torch.Tensor:
-        """[c, end + (n-1)c], or [B, 1, c, end + (n-1)c] with docs (n = 1: step 0's own causal mask)."""
-        key = (start, end, n, device)
+    def _mask(self, start: int, end: int, n: int, device, dtype: torch.dtype) -> torch.Tensor:
+        """Additive bias (0 where seen, -inf where not) [c, end + (n-1)c], or [B, 1, c, end + (n-1)c]
+        with docs (n = 1: step 0's own causal mask). Made once per shape in the queries' dtype:
+        SDPA converts a boolean mask to this on every call, in two more kernels each way."""
+        key = (start, end, n, device, dtype)
         if key not in self._masks:
             mask = ttt_chunk_mask(start, end, n, device)
             if self.doc is not None:
@@ -420,7 +433,8 @@ class TTTCache(AttentionCache):
                 mask = mask.expand(doc.shape[0], *mask.shape).clone()
                 mask[:, :, :end] &= same
                 mask = mask[:, None]
-            self._masks[key] = mask
+            bias = torch.zeros(mask.shape, dtype=dtype, device=device)
+            self._masks[key] = bias.masked_fill_(~mask, float("-inf"))
         return self._masks[key]
 
     def attend(self, layer, q, k, v):
@@ -434,13 +448,13 @@ class TTTCache(AttentionCache):
         if n == 1:
             if self.doc is None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(0, T, 1, q.device))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(0, T, 1, q.device, q.dtype))
         outs = []
         for c, (start, q_chunk) in enumerate(zip(range(0, T, self.chunk), q.split(self.chunk, dim=2))):
             end = min(T, start + self.chunk)
             K = torch.cat([*ks[0][: c + 1], *(ki[c] for ki in ks[1:])], dim=2)  # step-0 rows :end, then row-aligned drafts
             V = torch.cat([*vs[0][: c + 1], *(vi[c] for vi in vs[1:])], dim=2)
-            mask = self._mask(start, end, n, q.device)
+            mask = self._mask(start, end, n, q.device, q.dtype)
             outs.append(F.scaled_dot_product_attention(q_chunk, K, V, attn_mask=mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
@@ -500,12 +514,17 @@ class Eagle3Drafter(nn.Module):
         init_linears_and_norms(self, std)
 
     def compile_pointwise(self) -> None:
-        """Compile the norms and MLPs in place (torch.compile, dynamic shapes): inductor fuses
-        their elementwise chains (fp32 norm math, SiLU x up) that eager runs as separate passes
-        over [tokens, H] and [tokens, intermediate] tensors. Parameter names are unchanged."""
+        """Compile the norms, MLPs, attention projections and the first layer's input in place
+        (torch.compile, dynamic shapes): inductor fuses the elementwise chains that eager runs as
+        separate passes over [tokens, H]-sized tensors (fp32 norm math, SiLU x up, RoPE's neg/cat/
+        mul/add, the GQA expansion, the norms' cat). Parameter names are unchanged."""
         for m in self.modules():
             if isinstance(m, (RMSNorm, MLP)):
                 m.compile(dynamic=True)
+            elif isinstance(m, Attention):
+                m.project = torch.compile(m.project, dynamic=True)
+            elif isinstance(m, MidLayer):
+                m.attention_input = torch.compile(m.attention_input, dynamic=True)
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         self.d2t.copy_(torch.as_tensor(d2t))
