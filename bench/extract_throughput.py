@@ -204,7 +204,8 @@ class ForwardTimeline:
             "lead_s": round(self.start.elapsed_time(self.spans[0][0]) / 1e3, 3),
             "forward_s": round(sum(forward), 3),
             "gap_s": round(sum(gaps), 3),
-            "largest_gaps_s": sorted((round(g, 3) for g in gaps), reverse=True)[:5],
+            # [index, seconds]: gap i lies between forward i and i + 1 (early ones: the slots' pinning)
+            "largest_gaps_s": sorted(([i, round(g, 3)] for i, g in enumerate(gaps)), key=lambda x: -x[1])[:5],
             "tail_s": round(self.spans[-1][1].elapsed_time(self.end) / 1e3, 3),
         }
 

@@ -2,7 +2,8 @@
 # Issue 34's figures as device calls (bench/README.md §8), after the wheels of §1 (carry .whl):
 #   train    DFlash and EAGLE-3 training with --profile from the checkout, then each once from the
 #            older code in .bench-base/ (if there: `git archive <commit> draftflow bench | tar -x -C .bench-base`)
-#   extract  DFlash with --fused-ce, then extraction, lossless and fp8
+#   extract  extraction, lossless and fp8, from the checkout and from .bench-base/; then, with pytest's
+#            wheels carried in .dev-test/, the extraction tests that need CUDA
 # Every result lands in $OUT as it finishes (a call cut short returns what finished); each bench
 # gets at most LIMIT seconds (default 300).
 set -u -o pipefail
@@ -10,7 +11,7 @@ mode="$1"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/calllog.txt"
-bench() {  # NAME CODE_DIR ARGS…: one bench run, its stdout (JSON lines) and stderr (profile) in $OUT/NAME.log
+bench() {  # NAME CODE_DIR SCRIPT ARGS…: one bench run, its stdout (JSON lines) and stderr (profile) in $OUT/NAME.log
     local name=$1 code=$2 start=$SECONDS
     shift 2
     PYTHONPATH=/tmp/site:$code timeout "${LIMIT:-300}" python3 "$code/bench/$1" "${@:2}" > "$OUT/$name.log" 2>&1
@@ -24,6 +25,12 @@ if [ "$mode" = train ]; then
         bench dflash-base "$PWD/.bench-base" train_throughput.py --method dflash --samples 96 --workers 8
     fi
 elif [ "$mode" = extract ]; then
-    bench dflash-fused-ce "$PWD" train_throughput.py --method dflash --samples 96 --workers 8 --fused-ce
     bench extract "$PWD" extract_throughput.py --samples 400 --writer-threads 12 --storage lossless fp8
+    [ -d .bench-base ] && bench extract-base "$PWD/.bench-base" extract_throughput.py --samples 400 --writer-threads 12 --storage lossless fp8
+    if [ -d .dev-test ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .dev-test/*.whl
+        timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_extract.py tests/test_packing.py -k cuda -rs \
+            > "$OUT/pytest-cuda.log" 2>&1
+        echo "pytest-cuda rc=$?" | tee -a "$OUT/calllog.txt"
+    fi
 fi

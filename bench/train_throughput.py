@@ -105,8 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-dir", type=Path, help="where to write the store (default: a temp folder)")
     p.add_argument("--peak-tflops", type=float, help="bf16 dense peak for MFU (default: by device name)")
     p.add_argument("--profile", action="store_true", help="also print the top kernels of 2 steps to stderr")
-    p.add_argument("--fused-ce", action="store_true",
-                   help="DFlash: the cross-entropy's per-chunk passes compiled (dflash_loss.FusedChunks)")  # fmt: skip
+    p.add_argument("--fused-ce", choices=["auto", "on", "off"], default="auto",
+                   help="DFlash: the cross-entropy's per-chunk passes compiled (dflash_loss.FusedChunks); auto: when compiled, as training does")
     p.add_argument("--verify-reads", choices=["on", "off", "both"], default="on",
                    help="check each read's file checksum (training always does); both: side by side")  # fmt: skip
     a = p.parse_args(argv)
@@ -244,6 +244,7 @@ def main(argv=None) -> None:
     shape = TINY if a.tiny else LLAMA_31_8B
     dtype = torch.bfloat16 if cuda else torch.float32
     compiled = use_compile({"on": True, "off": False}.get(a.compile, "auto"), device)
+    fused_ce = a.method == "dflash" and (compiled if a.fused_ce == "auto" else a.fused_ce == "on")
     if a.method == "dflash":
         cfg, drafter, head = build_dflash(a, shape, device, dtype)
         aux_ids = tuple(cfg.target_layer_ids)
@@ -266,7 +267,7 @@ def main(argv=None) -> None:
                       "anchors_per_sample": a.anchors}  # fmt: skip
             s = TrainSettings(aux_layer_ids=aux_ids, batch_tokens=a.batch_tokens, num_workers=a.workers,
                               method="dflash", dflash=dflash)  # fmt: skip
-            objective = DFlashObjective(drafter, loss_decay(7.0), compile=compiled, fused_ce=a.fused_ce)
+            objective = DFlashObjective(drafter, loss_decay(7.0), compile=compiled, fused_ce=fused_ce)
         else:
             torch.manual_seed(0)
             drafter = Eagle3Drafter(cfg)
@@ -376,7 +377,7 @@ def main(argv=None) -> None:
            {"draft_vocab": a.draft_vocab, "ttt_steps": a.ttt_steps}),
         "seq_len": a.seq_len, "lengths": a.lengths, "mean_length": round(float(np.mean(lengths)), 1),
         "batching": "packed" if packed else "padded", "batch_tokens": a.batch_tokens, "workers": a.workers,
-        "compile": compiled, "fused_ce": a.fused_ce, "steps": a.steps,
+        "compile": compiled, "fused_ce": fused_ce, "steps": a.steps,
         "tokens_per_s": round(tokens_per_s, 1),
         "tokens_per_s_compute_only": round(resident_tokens / compute_s, 1),
         "step_s": round(e2e_s, 4),

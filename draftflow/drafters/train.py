@@ -435,8 +435,10 @@ def make_objective(drafter, s: TrainSettings, compile: bool = False) -> nn.Modul
         from draftflow.drafters.dflash_loss import DFlashObjective
 
         d = s.dflash_settings
+        # compiled training also compiles the cross-entropy's chunk passes (FusedChunks): on the H200
+        # 5% faster a step at the same loss (BENCHMARKS.md, issue 34)
         return DFlashObjective(drafter, s.loss_decay, d.labels, compile=compile, weighting=d.loss_weighting,
-                               dpace_alpha=d.dpace_alpha)  # fmt: skip
+                               dpace_alpha=d.dpace_alpha, fused_ce=compile)  # fmt: skip
     return TTTObjective(drafter, s.ttt_steps, s.step_weight_decay, compile=compile, loss=s.loss)
 
 

@@ -253,10 +253,10 @@ class _InFlight:
 class _Stager:
     """Moves captures to the host without stalling the GPU.
 
-    On CUDA, the non-finite counts and the captures are copied into a pinned slot on a side
-    stream, ordered after the forward; the host waits on that batch's event only after the
-    next batch's forward has been queued, so the GPU always has work. fp8: the captures are
-    quantized on the GPU first and the slot (uint8) receives codes and scale exponents; on
+    On CUDA, the non-finite counts are taken and the captures copied into a pinned slot on a
+    side stream, ordered after the forward; the host waits on that batch's event only after
+    the next batch's forward has been queued, so the GPU always has work. fp8: the side stream
+    quantizes the captures first and the slot (uint8) receives codes and scale exponents; on
     the CPU the writers quantize.
     """
 
@@ -266,29 +266,32 @@ class _Stager:
         self.stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
 
     def launch(self, positions: list[int], hiddens: list[torch.Tensor]) -> _InFlight:
-        nonfinite = torch.stack([nonfinite_per_layer(h) for h in hiddens])  # [n, L] on the capture device
         slot = self.ring.acquire()  # blocks while every slot still awaits the writers
         if self.stream is None or not hiddens[0].is_cuda:  # CPU: fp8 quantization is left to the writers
+            nonfinite = torch.stack([nonfinite_per_layer(h) for h in hiddens])  # [n, L]
             return _InFlight(positions, hiddens, nonfinite.cpu(), slot, None)
-        capture_stream = torch.cuda.current_stream(hiddens[0].device)
-        if self.fp8:  # on the capture stream; non-finite values are refused by the counts above
-            hiddens = [quantize_fp8(h, check=False) for h in hiddens]
-        self.stream.wait_stream(capture_stream)
+        # Everything after the forward runs on the side stream: the non-finite counts, fp8's
+        # quantization and the copies. On the capture stream their kernels sat between one forward
+        # and the next (~3 ms a batch lossless, ~9 ms fp8); here they overlap the next forward.
+        self.stream.wait_stream(torch.cuda.current_stream(hiddens[0].device))
         host, offset = [], 0
         with torch.cuda.stream(self.stream):
+            for h in hiddens:
+                h.record_stream(self.stream)  # the capture stream must not reuse it before this stream read it
+            nonfinite = torch.stack([nonfinite_per_layer(h) for h in hiddens])  # [n, L]
+            if self.fp8:  # non-finite values are refused by the counts above
+                hiddens = [quantize_fp8(h, check=False) for h in hiddens]
             for h in hiddens:  # h: [T, L, H] on the GPU (fp8: codes [T, L, H] + exps [T, L])
                 tensors = (h.codes, h.exps) if self.fp8 else (h,)
                 copies = []
                 for t in tensors:
                     dst = slot[offset : offset + t.numel()].view(t.dtype).view(t.shape)
                     dst.copy_(t, non_blocking=True)
-                    t.record_stream(self.stream)  # keep the GPU memory alive until the copy ran
                     copies.append(dst)
                     offset += t.numel()
                 host.append(Fp8Hidden(*copies, h.dtype) if self.fp8 else copies[0])
             counts = torch.empty(nonfinite.shape, dtype=nonfinite.dtype, pin_memory=True)
             counts.copy_(nonfinite, non_blocking=True)
-            nonfinite.record_stream(self.stream)
             ready = torch.cuda.Event()
             ready.record(self.stream)
         return _InFlight(positions, host, counts, slot, ready)
