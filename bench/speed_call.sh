@@ -2,6 +2,7 @@
 # Issue 34's figures as device calls (bench/README.md §8), after the wheels of §1 (carry .whl):
 #   train    DFlash and EAGLE-3 training with --profile from the checkout, then each once from the
 #            older code in .bench-base/ (if there: `git archive <commit> draftflow bench | tar -x -C .bench-base`)
+#   all      the done-when's figures in one call: DFlash and EAGLE-3 with --profile, extraction
 #   extract  extraction, lossless and fp8, from the checkout and from .bench-base/; then, with pytest's
 #            wheels carried in .dev-test/, the extraction tests that need CUDA
 # Every result lands in $OUT as it finishes (a call cut short returns what finished); each bench
@@ -17,7 +18,11 @@ bench() {  # NAME CODE_DIR SCRIPT ARGS…: one bench run, its stdout (JSON lines
     PYTHONPATH=/tmp/site:$code timeout "${LIMIT:-300}" python3 "$code/bench/$1" "${@:2}" > "$OUT/$name.log" 2>&1
     echo "$name rc=$? $((SECONDS - start))s" | tee -a "$OUT/calllog.txt"
 }
-if [ "$mode" = train ]; then
+if [ "$mode" = all ]; then
+    bench dflash "$PWD" train_throughput.py --method dflash --samples 96 --workers 8 --profile
+    bench eagle3 "$PWD" train_throughput.py --samples 96 --profile
+    bench extract "$PWD" extract_throughput.py --samples 400 --writer-threads 12 --storage lossless fp8
+elif [ "$mode" = train ]; then
     bench dflash "$PWD" train_throughput.py --method dflash --samples 96 --workers 8 --profile
     bench eagle3 "$PWD" train_throughput.py --samples 96 --profile
     if [ -d .bench-base ]; then
