@@ -96,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batching", choices=["packed", "padded"], default="packed",
                    help="EAGLE-3: packed rows (training's), or one sample a padded row, length-sorted (before packing)")  # fmt: skip
     p.add_argument("--ttt-steps", type=int, default=7)
+    p.add_argument("--ttt-attention", choices=["chunked", "flex"], default="chunked",
+                   help="EAGLE-3: the training-time test's attention (ttt.unroll; flex: GPU only)")
     p.add_argument("--dflash-layers", type=int, help="DFlash draft layers (default 5; tiny 2)")
     p.add_argument("--block-size", type=int, help="DFlash block size (default 16; tiny 8)")
     p.add_argument("--anchors", type=int, help="DFlash anchors per sample (default 512; tiny 32)")
@@ -277,7 +279,7 @@ def main(argv=None) -> None:
             drafter.set_vocab(torch.nonzero(t2d)[:, 0] - torch.arange(a.draft_vocab), t2d)
             head = TargetHead(torch.randn(V, H, dtype=dtype) * 0.02, t2d).to(device)
             drafter.to(device)
-            objective = TTTObjective(drafter, a.ttt_steps, 0.8, compile=compiled)
+            objective = TTTObjective(drafter, a.ttt_steps, 0.8, compile=compiled, attention=a.ttt_attention)
             s = TrainSettings(
                 aux_layer_ids=aux_ids, ttt_steps=a.ttt_steps, batch_tokens=a.batch_tokens, num_workers=a.workers,
                 batching=a.batching,
@@ -374,7 +376,7 @@ def main(argv=None) -> None:
         "hidden_size": H, "target_vocab": V,
         **({"draft_layers": a.dflash_layers, "block_size": a.block_size, "anchors_per_sample": a.anchors,
             "target_layer_ids": list(aux_ids), "draft_vocab": V} if a.method == "dflash" else
-           {"draft_vocab": a.draft_vocab, "ttt_steps": a.ttt_steps}),
+           {"draft_vocab": a.draft_vocab, "ttt_steps": a.ttt_steps, "ttt_attention": a.ttt_attention}),
         "seq_len": a.seq_len, "lengths": a.lengths, "mean_length": round(float(np.mean(lengths)), 1),
         "batching": "packed" if packed else "padded", "batch_tokens": a.batch_tokens, "workers": a.workers,
         "compile": compiled, "fused_ce": fused_ce, "steps": a.steps,

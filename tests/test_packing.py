@@ -10,7 +10,7 @@ import torch
 from draftflow.drafters.packing import best_fit_decreasing, plan_packed
 from draftflow.drafters.batching import collate
 from draftflow.drafters.train import TrainSettings, plan_micro_batches
-from draftflow.drafters.ttt import TargetInfo, step_token_counts, ttt_loss
+from draftflow.drafters.ttt import TTTObjective, TargetInfo, step_token_counts, ttt_loss, unroll
 from draftflow.hidden_states.storage import Sample
 from test_drafter import VD, tiny_drafter
 
@@ -196,3 +196,54 @@ def test_packed_rows_on_cuda_match_one_sample_a_row_fp32_and_bf16_autocast():
         a, b = loss_of(packed, autocast), loss_of(single, autocast)
         torch.testing.assert_close(a.loss, b.loss, rtol=tol, atol=tol)
         assert torch.equal(a.stats[1], b.stats[1])  # loss tokens per step
+
+
+def _unrolled(model, batch, attention: str, attn_chunk: int = 256) -> list[torch.Tensor]:
+    return [torch.cat([lg, h], dim=-1) for lg, h in unroll(model, batch.input_ids, batch.aux, 5, attn_chunk, batch.doc,
+                                                          attention)]  # fmt: skip
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_flex_ttt_attention_gives_the_chunked_attention_s_outputs(packed):
+    """train's flex attention (one FlexAttention call a step over every step's keys, kv heads not
+    expanded) sees what the chunked SDPA path sees: every step's logits and hidden states agree,
+    with and without packed samples, over several query chunks (forward only: FlexAttention has
+    no CPU backward; the CUDA test below checks gradients)."""
+    rng = np.random.default_rng(9)
+    samples = [fake_sample(rng, n) for n in (90, 40, 130, 70, 30)]
+    batch = collate(samples, 5, rows=[[0, 1], [2], [3, 4]] if packed else None)
+    model = tiny_drafter(layers=2)  # float64, 4 heads over 2 kv heads
+    with torch.no_grad():
+        chunked, flex = _unrolled(model, batch, "chunked", attn_chunk=32), _unrolled(model, batch, "flex")
+    assert len(flex) == 5
+    for step, (a, b) in enumerate(zip(chunked, flex)):
+        torch.testing.assert_close(b, a, msg=f"step {step}")
+
+
+def test_an_unknown_ttt_attention_is_refused():
+    with pytest.raises(ValueError, match="attention must be one of"):
+        TTTObjective(tiny_drafter(), 3, 0.8, attention="paged")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flex_ttt_attention_on_cuda_gives_the_chunked_loss_and_gradients():
+    """The compiled FlexAttention path trains as the chunked SDPA path does (float32, packed rows)."""
+    rng = np.random.default_rng(6)
+    samples = [fake_sample(rng, n) for n in (90, 40, 130, 70, 30)]
+    batch = collate(samples, 7, rows=[[0, 1], [2], [3, 4]]).to("cuda")
+    head = torch.randn(96, 32, device="cuda")
+    results = []
+    for attention in ("chunked", "flex"):
+        model = tiny_drafter(layers=2, dtype=torch.float32).cuda()
+        to_draft = torch.full((96,), -1, dtype=torch.int64, device="cuda")
+        to_draft[model.t2d] = torch.arange(VD, device="cuda")
+        z = batch.final.float() @ head.T
+        info = TargetInfo(torch.softmax(z[..., model.t2d], dim=-1), to_draft[z.argmax(-1)])
+        result = ttt_loss(model, batch.input_ids, batch.loss_mask, batch.aux, info, 7, 0.8, batch.step_tokens,
+                          doc=batch.doc, attention=attention)  # fmt: skip
+        result.loss.backward()
+        results.append((result.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-4, atol=1e-5)
+    for name, grad in grads_a.items():
+        torch.testing.assert_close(grads_b[name], grad, rtol=1e-3, atol=1e-5, msg=name)

@@ -30,6 +30,7 @@ SGLang; such multi-layer drafters are refused on load: retrain them.)
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import asdict, dataclass, field
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 log = logging.getLogger(__name__)
 
@@ -267,22 +269,22 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, S, in] -> q, k, v [B, h, S, d]: projected, RoPE on q and k, GQA heads expanded.
-        One region for `compile_pointwise`: RoPE and the expansion become one pass each way."""
+    def project(self, x, cos, sin, expand: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, S, in] -> q [B, h, S, d], k, v [B, h, S, d] (expand) or [B, kv, S, d]: projected,
+        RoPE on q and k. One region for `compile_pointwise`: RoPE and the expansion become one pass each way."""
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.heads, self.head_dim).transpose(1, 2)  # [B, h, S, d]
         k = self.k_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, S, d]
         v = self.v_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.kv_heads != self.heads:  # expand GQA heads: keeps SDPA on its fused masked kernels
+        if expand and self.kv_heads != self.heads:  # expand GQA heads: keeps SDPA on its fused masked kernels
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
         return q, k, v
 
     def forward(self, x, cos, sin, cache: "AttentionCache", layer: int) -> torch.Tensor:
         B, S, _ = x.shape  # x [B, S, in]
-        q, k, v = self.project(x, cos, sin)
+        q, k, v = self.project(x, cos, sin, expand=not cache.grouped_kv)
         out = cache.attend(layer, q, k, v)  # [B, h, S, d]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, self.heads * self.head_dim))
 
@@ -355,6 +357,8 @@ class ExtraLayer(nn.Module):
 
 class AttentionCache:
     """Where a layer's keys/values go and which of them each query sees."""
+
+    grouped_kv = False  # True: attend() takes keys/values with the kv heads (GQA), not expanded
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -457,6 +461,67 @@ class TTTCache(AttentionCache):
             mask = self._mask(start, end, n, q.device, q.dtype)
             outs.append(F.scaled_dot_product_attention(q_chunk, K, V, attn_mask=mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention)  # static first; a new length recompiles with dynamic sizes
+
+
+def ttt_mask_mod(rows: int, doc: torch.Tensor | None):
+    """FlexAttention's mask over the keys of steps 0..n-1 laid end to end (n * rows keys): query
+    row j sees step-0 keys 0..j and key j of every later step; with `doc` [B, rows] only keys of
+    its own sample (as `TTTCache`)."""
+
+    def seen(b, h, q_idx, kv_idx):
+        step = kv_idx // rows
+        row = kv_idx - step * rows
+        return torch.where(step == 0, row <= q_idx, row == q_idx)
+
+    if doc is None:
+        return seen
+    def seen_in_sample(b, h, q_idx, kv_idx):
+        row = kv_idx - (kv_idx // rows) * rows
+        return seen(b, h, q_idx, kv_idx) & (doc[b, row] == doc[b, q_idx])
+
+    return seen_in_sample
+
+
+class FlexTTTCache(AttentionCache):
+    """`TTTCache`'s attention as one FlexAttention call a step (train.ttt_attention: flex; GPU
+    training only: FlexAttention has no CPU backward). The keys of every step so far are laid end
+    to end, with the kv heads (GQA) as they come, and a block mask skips the blocks no query sees
+    (most of each later step's keys). Against the chunked SDPA path it copies ~6x fewer key bytes
+    a step (no per-chunk prefixes, no expanded heads) and accumulates no per-piece gradients;
+    whether its kernels beat cuDNN's is for the GPU to say (bench/train_throughput.py --ttt-attention)."""
+
+    grouped_kv = True
+
+    def __init__(self, num_layers: int, doc: torch.Tensor | None = None):
+        self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]  # per layer, per step: [B, kv, T, d]
+        self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.doc = doc
+        self._masks: dict[tuple, BlockMask] = {}
+
+    def _block_mask(self, n: int, rows: int, device) -> BlockMask:
+        key = (n, rows, device)
+        if key not in self._masks:
+            doc = None if self.doc is None else self.doc.to(device)
+            batch = None if doc is None else doc.shape[0]
+            # compiled on the GPU: eager creation materializes [B, rows, n * rows] index tensors
+            self._masks[key] = create_block_mask(ttt_mask_mod(rows, doc), batch, None, rows, n * rows, device=device,
+                                                 _compile=torch.device(device).type == "cuda")  # fmt: skip
+        return self._masks[key]
+
+    def attend(self, layer, q, k, v):
+        ks, vs = self.k[layer], self.v[layer]
+        ks.append(k)
+        vs.append(v)
+        K = k if len(ks) == 1 else torch.cat(ks, dim=2)  # [B, kv, n*T, d]
+        V = v if len(vs) == 1 else torch.cat(vs, dim=2)
+        mask = self._block_mask(len(ks), q.shape[2], q.device)
+        attend = _compiled_flex_attention() if q.is_cuda else flex_attention  # eager: CPU forward only
+        return attend(q, K, V, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 # ---------------------------------------------------------------- the model

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftflow.drafters.eagle3 import Eagle3Drafter, TTTCache
+from draftflow.drafters.eagle3 import Eagle3Drafter, FlexTTTCache, TTTCache
 from draftflow.drafters.losses import LOSSES, SoftCrossEntropy, soft_ce  # noqa: F401 (re-exported)
 
 # rows of the per-step statistics tensor [len(STAT_ROWS), steps]
@@ -39,6 +39,9 @@ def shift_left(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
+TTT_ATTENTIONS = ("chunked", "flex")
+
+
 def unroll(
     drafter: Eagle3Drafter,
     input_ids: torch.Tensor,
@@ -46,18 +49,22 @@ def unroll(
     steps: int,
     attn_chunk: int = 256,
     doc: torch.Tensor | None = None,
+    attention: str = "chunked",
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield (logits [B, T, Vd], out hidden [B, T, H]) for TTT steps 0..steps-1.
 
     input_ids [B, T] (right-padded), aux [B, T, n_aux*H] or [B, T, n_aux, H].
     attn_chunk: query rows per attention call (speed only, see `drafter.TTTCache`).
     doc [B, T]: packed rows' sample ids (attention stays inside a sample), None: one sample a row.
+    attention: "chunked" (`TTTCache`, SDPA) or "flex" (`FlexTTTCache`; GPU training only): the same attention.
     Positions run along the row: RoPE attention depends only on position differences inside a sample.
     """
     B, T = input_ids.shape
     positions = torch.arange(T, device=input_ids.device).expand(B, T)
     hidden = drafter.fuse(aux)
-    cache = TTTCache(drafter.num_layers, attn_chunk, doc)
+    if attention not in TTT_ATTENTIONS:
+        raise ValueError(f"attention must be one of {TTT_ATTENTIONS}, got {attention!r}")
+    cache = TTTCache(drafter.num_layers, attn_chunk, doc) if attention == "chunked" else FlexTTTCache(drafter.num_layers, doc)
     for k in range(steps):
         logits, hidden = drafter.forward_hidden(shift_left(input_ids, 1 + k), hidden, positions + k, cache)
         yield logits, hidden
@@ -124,11 +131,15 @@ class TTTObjective(nn.Module):
     compile: torch.compile the drafter's norms and MLPs and the per-step loss (`step_terms`),
     which fuses the elementwise passes eager mode makes over [tokens, Vd] logits each step.
     loss: a name of `losses.LOSSES` (config `train.loss`).
+    attention: `unroll`'s; "flex" only where FlexAttention trains (CUDA), not yet a config setting.
     """
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, compile: bool = False, loss: str = "soft_ce"):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, compile: bool = False, loss: str = "soft_ce",
+                 attention: str = "chunked"):  # fmt: skip
         super().__init__()
-        self.drafter, self.steps, self.decay = drafter, steps, decay
+        if attention not in TTT_ATTENTIONS:
+            raise ValueError(f"attention must be one of {TTT_ATTENTIONS}, got {attention!r}")
+        self.drafter, self.steps, self.decay, self.attention = drafter, steps, decay, attention
         self.step_terms = functools.partial(step_terms, loss=LOSSES[loss])
         if compile:
             drafter.compile_pointwise()
@@ -137,7 +148,7 @@ class TTTObjective(nn.Module):
     def forward(self, input_ids, loss_mask, aux, target_probs, target_argmax, normalizer=None, doc=None):
         result = ttt_loss(
             self.drafter, input_ids, loss_mask, aux, TargetInfo(target_probs, target_argmax),
-            self.steps, self.decay, normalizer, self.step_terms, doc,
+            self.steps, self.decay, normalizer, self.step_terms, doc, self.attention,
         )  # fmt: skip
         return result.loss, result.stats
 
@@ -175,6 +186,7 @@ def ttt_loss(
     normalizer: torch.Tensor | None = None,
     terms=step_terms,
     doc: torch.Tensor | None = None,
+    attention: str = "chunked",
 ) -> TTTResult:
     """Unroll `steps` TTT steps and return the loss and per-step statistics.
 
@@ -191,7 +203,7 @@ def ttt_loss(
     chain_ok = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)  # rows with no miss yet
     loss = torch.zeros((), device=input_ids.device)
     stats = []
-    for k, (logits, _) in enumerate(unroll(drafter, input_ids, aux, steps, doc=doc)):
+    for k, (logits, _) in enumerate(unroll(drafter, input_ids, aux, steps, doc=doc, attention=attention)):
         R = T - 1 - k  # rows j with a target z_{j+1+k}
         if R <= 0:
             stats.append(torch.zeros(len(STAT_ROWS), dtype=torch.float64, device=input_ids.device))
