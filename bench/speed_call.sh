@@ -3,8 +3,8 @@
 #   train    DFlash and EAGLE-3 training with --profile from the checkout, then each once from the
 #            older code in .bench-base/ (if there: `git archive <commit> draftflow bench | tar -x -C .bench-base`)
 #   all      the done-when's figures in one call: DFlash and EAGLE-3 with --profile, extraction
-#   flex     EAGLE-3 with the chunked SDPA attention and with FlexAttention (--ttt-attention flex), side
-#            by side, then the CUDA tests (with .dev-test/, below)
+#   attention  EAGLE-3's three TTT attentions side by side (--ttt-attention chunked-gqa, flex, chunked),
+#            then the CUDA tests (with .dev-test/, below)
 #   extract  extraction, lossless and fp8, from the checkout and from .bench-base/; then, with pytest's
 #            wheels carried in .dev-test/, the extraction tests that need CUDA
 # Every result lands in $OUT as it finishes (a call cut short returns what finished); each bench
@@ -31,7 +31,8 @@ elif [ "$mode" = train ]; then
         bench eagle3-base "$PWD/.bench-base" train_throughput.py --samples 96
         bench dflash-base "$PWD/.bench-base" train_throughput.py --method dflash --samples 96 --workers 8
     fi
-elif [ "$mode" = flex ]; then
+elif [ "$mode" = attention ]; then
+    bench eagle3-chunked-gqa "$PWD" train_throughput.py --samples 96 --ttt-attention chunked-gqa --profile
     bench eagle3-flex "$PWD" train_throughput.py --samples 96 --ttt-attention flex --profile
     bench eagle3-chunked "$PWD" train_throughput.py --samples 96
 fi
@@ -39,7 +40,7 @@ if [ "$mode" = extract ]; then
     bench extract "$PWD" extract_throughput.py --samples 400 --writer-threads 12 --storage lossless fp8
     [ -d .bench-base ] && bench extract-base "$PWD/.bench-base" extract_throughput.py --samples 400 --writer-threads 12 --storage lossless fp8
 fi
-if [ "$mode" = extract ] || [ "$mode" = flex ]; then
+if [ "$mode" = extract ] || [ "$mode" = attention ]; then
     if [ -d .dev-test ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .dev-test/*.whl
         timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_extract.py tests/test_packing.py -k cuda -rs \

@@ -203,21 +203,46 @@ def _unrolled(model, batch, attention: str, attn_chunk: int = 256) -> list[torch
                                                           attention)]  # fmt: skip
 
 
+@pytest.mark.parametrize("attention", ["chunked-gqa", "flex"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_flex_ttt_attention_gives_the_chunked_attention_s_outputs(packed):
-    """train's flex attention (one FlexAttention call a step over every step's keys, kv heads not
-    expanded) sees what the chunked SDPA path sees: every step's logits and hidden states agree,
-    with and without packed samples, over several query chunks (forward only: FlexAttention has
-    no CPU backward; the CUDA test below checks gradients)."""
+def test_other_ttt_attentions_give_the_chunked_attention_s_outputs(attention, packed):
+    """The training-time test's other attentions (kv heads not expanded: SDPA's enable_gqa, or one
+    FlexAttention call a step over every step's keys) see what the chunked SDPA path sees: every
+    step's logits and hidden states agree, with and without packed samples, over several query
+    chunks (flex forward only: FlexAttention has no CPU backward; the CUDA test checks gradients)."""
     rng = np.random.default_rng(9)
     samples = [fake_sample(rng, n) for n in (90, 40, 130, 70, 30)]
     batch = collate(samples, 5, rows=[[0, 1], [2], [3, 4]] if packed else None)
     model = tiny_drafter(layers=2)  # float64, 4 heads over 2 kv heads
     with torch.no_grad():
-        chunked, flex = _unrolled(model, batch, "chunked", attn_chunk=32), _unrolled(model, batch, "flex")
-    assert len(flex) == 5
-    for step, (a, b) in enumerate(zip(chunked, flex)):
+        chunked, other = _unrolled(model, batch, "chunked", attn_chunk=32), _unrolled(model, batch, attention, 32)
+    assert len(other) == 5
+    for step, (a, b) in enumerate(zip(chunked, other)):
         torch.testing.assert_close(b, a, msg=f"step {step}")
+
+
+def test_grouped_kv_heads_give_the_chunked_gradients():
+    """chunked-gqa trains as chunked does: the same loss and every parameter's gradient (packed rows)."""
+    rng = np.random.default_rng(4)
+    samples = [fake_sample(rng, n) for n in (90, 40, 130, 70, 30)]
+    batch = collate(samples, 5, rows=[[0, 1], [2], [3, 4]])
+    head = torch.randn(96, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    results = []
+    for attention in ("chunked", "chunked-gqa"):
+        model = tiny_drafter(layers=2).train()
+        to_draft = torch.full((96,), -1, dtype=torch.int64)
+        to_draft[model.t2d] = torch.arange(VD)
+        z = batch.final.double() @ head.T
+        info = TargetInfo(torch.softmax(z[..., model.t2d], dim=-1), to_draft[z.argmax(-1)])
+        result = ttt_loss(model, batch.input_ids, batch.loss_mask, batch.aux.double(), info, 5, 0.8,
+                          batch.step_tokens, doc=batch.doc, attention=attention)  # fmt: skip
+        result.loss.backward()
+        results.append((result.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_b, loss_a)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 10
+    for name, grad in grads_a.items():
+        torch.testing.assert_close(grads_b[name], grad, msg=name)
 
 
 def test_an_unknown_ttt_attention_is_refused():
@@ -226,24 +251,32 @@ def test_an_unknown_ttt_attention_is_refused():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_flex_ttt_attention_on_cuda_gives_the_chunked_loss_and_gradients():
-    """The compiled FlexAttention path trains as the chunked SDPA path does (float32, packed rows)."""
+@pytest.mark.parametrize("attention", ["chunked-gqa", "flex"])
+def test_other_ttt_attentions_on_cuda_give_the_chunked_loss_and_gradients(attention):
+    """SDPA with grouped kv heads (cuDNN's GQA) and the compiled FlexAttention path train as the
+    chunked SDPA path does (packed rows; float32, and bf16 autocast, where SDPA takes cuDNN's kernels)."""
     rng = np.random.default_rng(6)
     samples = [fake_sample(rng, n) for n in (90, 40, 130, 70, 30)]
     batch = collate(samples, 7, rows=[[0, 1], [2], [3, 4]]).to("cuda")
     head = torch.randn(96, 32, device="cuda")
+    for autocast, tol in ((False, 1e-4), (True, 2e-2)):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            _assert_same_training(batch, head, "chunked", attention, tol)
+
+
+def _assert_same_training(batch, head, attention_a: str, attention_b: str, tol: float) -> None:
     results = []
-    for attention in ("chunked", "flex"):
+    for name in (attention_a, attention_b):
         model = tiny_drafter(layers=2, dtype=torch.float32).cuda()
         to_draft = torch.full((96,), -1, dtype=torch.int64, device="cuda")
         to_draft[model.t2d] = torch.arange(VD, device="cuda")
         z = batch.final.float() @ head.T
         info = TargetInfo(torch.softmax(z[..., model.t2d], dim=-1), to_draft[z.argmax(-1)])
         result = ttt_loss(model, batch.input_ids, batch.loss_mask, batch.aux, info, 7, 0.8, batch.step_tokens,
-                          doc=batch.doc, attention=attention)  # fmt: skip
+                          doc=batch.doc, attention=name)  # fmt: skip
         result.loss.backward()
         results.append((result.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     (loss_a, grads_a), (loss_b, grads_b) = results
-    torch.testing.assert_close(loss_b, loss_a, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loss_b, loss_a, rtol=tol, atol=tol / 10)
     for name, grad in grads_a.items():
-        torch.testing.assert_close(grads_b[name], grad, rtol=1e-3, atol=1e-5, msg=name)
+        torch.testing.assert_close(grads_b[name], grad, rtol=10 * tol, atol=tol / 10, msg=name)

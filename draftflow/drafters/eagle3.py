@@ -415,9 +415,12 @@ class TTTCache(AttentionCache):
 
     doc [B, T] (packed rows, `packing`): the step-0 keys a query sees are also only its own
     sample's; padding (-1) sees padding, so no query row is empty.
+    grouped_kv: keys and values come with the kv heads (GQA) and SDPA groups the queries itself
+    (`enable_gqa`); the chunks' keys are then cat at the kv heads' width.
     """
 
-    def __init__(self, num_layers: int, chunk: int = 256, doc: torch.Tensor | None = None):
+    def __init__(self, num_layers: int, chunk: int = 256, doc: torch.Tensor | None = None, grouped_kv: bool = False):
+        self.grouped_kv = grouped_kv  # kv heads as they come (SDPA's enable_gqa): 4x fewer key bytes to cat for GQA
         self.k: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in range(num_layers)]  # per layer, per step: pieces
         self.v: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in range(num_layers)]
         self.chunk = chunk
@@ -449,17 +452,19 @@ class TTTCache(AttentionCache):
         ks.append(k.split(self.chunk, dim=2))  # each piece [B, h, <=chunk, d]
         vs.append(v.split(self.chunk, dim=2))
         n, T = len(ks), q.shape[2]
+        gqa = q.shape[1] != k.shape[1]
         if n == 1:
             if self.doc is None:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(0, T, 1, q.device, q.dtype))
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            mask = self._mask(0, T, 1, q.device, q.dtype)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         outs = []
         for c, (start, q_chunk) in enumerate(zip(range(0, T, self.chunk), q.split(self.chunk, dim=2))):
             end = min(T, start + self.chunk)
             K = torch.cat([*ks[0][: c + 1], *(ki[c] for ki in ks[1:])], dim=2)  # step-0 rows :end, then row-aligned drafts
             V = torch.cat([*vs[0][: c + 1], *(vi[c] for vi in vs[1:])], dim=2)
             mask = self._mask(start, end, n, q.device, q.dtype)
-            outs.append(F.scaled_dot_product_attention(q_chunk, K, V, attn_mask=mask))
+            outs.append(F.scaled_dot_product_attention(q_chunk, K, V, attn_mask=mask, enable_gqa=gqa))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 

@@ -39,7 +39,7 @@ def shift_left(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-TTT_ATTENTIONS = ("chunked", "flex")
+TTT_ATTENTIONS = ("chunked", "chunked-gqa", "flex")
 
 
 def unroll(
@@ -56,7 +56,8 @@ def unroll(
     input_ids [B, T] (right-padded), aux [B, T, n_aux*H] or [B, T, n_aux, H].
     attn_chunk: query rows per attention call (speed only, see `drafter.TTTCache`).
     doc [B, T]: packed rows' sample ids (attention stays inside a sample), None: one sample a row.
-    attention: "chunked" (`TTTCache`, SDPA) or "flex" (`FlexTTTCache`; GPU training only): the same attention.
+    attention: "chunked" (`TTTCache`, SDPA over GQA heads expanded), "chunked-gqa" (the same with the kv
+    heads as they come, SDPA's enable_gqa) or "flex" (`FlexTTTCache`; GPU training only): the same attention.
     Positions run along the row: RoPE attention depends only on position differences inside a sample.
     """
     B, T = input_ids.shape
@@ -64,7 +65,10 @@ def unroll(
     hidden = drafter.fuse(aux)
     if attention not in TTT_ATTENTIONS:
         raise ValueError(f"attention must be one of {TTT_ATTENTIONS}, got {attention!r}")
-    cache = TTTCache(drafter.num_layers, attn_chunk, doc) if attention == "chunked" else FlexTTTCache(drafter.num_layers, doc)
+    if attention == "flex":
+        cache = FlexTTTCache(drafter.num_layers, doc)
+    else:
+        cache = TTTCache(drafter.num_layers, attn_chunk, doc, grouped_kv=attention == "chunked-gqa")
     for k in range(steps):
         logits, hidden = drafter.forward_hidden(shift_left(input_ids, 1 + k), hidden, positions + k, cache)
         yield logits, hidden
