@@ -485,6 +485,7 @@ def ttt_mask_mod(rows: int, doc: torch.Tensor | None):
 
     if doc is None:
         return seen
+
     def seen_in_sample(b, h, q_idx, kv_idx):
         row = kv_idx - (kv_idx // rows) * rows
         return seen(b, h, q_idx, kv_idx) & (doc[b, row] == doc[b, q_idx])
@@ -493,7 +494,7 @@ def ttt_mask_mod(rows: int, doc: torch.Tensor | None):
 
 
 class FlexTTTCache(AttentionCache):
-    """`TTTCache`'s attention as one FlexAttention call a step (train.ttt_attention: flex; GPU
+    """`TTTCache`'s attention as one FlexAttention call a step (`ttt.unroll(attention="flex")`; GPU
     training only: FlexAttention has no CPU backward). The keys of every step so far are laid end
     to end, with the kv heads (GQA) as they come, and a block mask skips the blocks no query sees
     (most of each later step's keys). Against the chunked SDPA path it copies ~6x fewer key bytes
