@@ -3,6 +3,7 @@
 #   train    DFlash and EAGLE-3 training with --profile from the checkout, then each once from the
 #            older code in .bench-base/ (if there: `git archive <commit> draftflow bench | tar -x -C .bench-base`)
 #   all      the done-when's figures in one call: DFlash and EAGLE-3 with --profile, extraction
+#            (ATTENTION=chunked-gqa or flex: EAGLE-3 with that TTT attention, see `attention`)
 #   attention  EAGLE-3's three TTT attentions side by side (--ttt-attention chunked-gqa, flex, chunked),
 #            then the CUDA tests (with .dev-test/, below)
 #   extract  extraction, lossless and fp8, from the checkout and from .bench-base/; then, with pytest's
@@ -22,7 +23,7 @@ bench() {  # NAME CODE_DIR SCRIPT ARGS…: one bench run, its stdout (JSON lines
 }
 if [ "$mode" = all ]; then
     bench dflash "$PWD" train_throughput.py --method dflash --samples 96 --workers 8 --profile
-    bench eagle3 "$PWD" train_throughput.py --samples 96 --profile
+    bench eagle3 "$PWD" train_throughput.py --samples 96 --profile --ttt-attention "${ATTENTION:-chunked}"
     bench extract "$PWD" extract_throughput.py --samples 400 --writer-threads 12 --storage lossless fp8
 elif [ "$mode" = train ]; then
     bench dflash "$PWD" train_throughput.py --method dflash --samples 96 --workers 8 --profile
