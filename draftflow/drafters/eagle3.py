@@ -481,16 +481,10 @@ def ttt_mask_mod(rows: int, doc: torch.Tensor | None):
     def seen(b, h, q_idx, kv_idx):
         step = kv_idx // rows
         row = kv_idx - step * rows
-        return torch.where(step == 0, row <= q_idx, row == q_idx)
+        visible = torch.where(step == 0, row <= q_idx, row == q_idx)
+        return visible if doc is None else visible & (doc[b, row] == doc[b, q_idx])
 
-    if doc is None:
-        return seen
-
-    def seen_in_sample(b, h, q_idx, kv_idx):
-        row = kv_idx - (kv_idx // rows) * rows
-        return seen(b, h, q_idx, kv_idx) & (doc[b, row] == doc[b, q_idx])
-
-    return seen_in_sample
+    return seen
 
 
 class FlexTTTCache(AttentionCache):
@@ -516,7 +510,7 @@ class FlexTTTCache(AttentionCache):
             batch = None if doc is None else doc.shape[0]
             # compiled on the GPU: eager creation materializes [B, rows, n * rows] index tensors
             self._masks[key] = create_block_mask(ttt_mask_mod(rows, doc), batch, None, rows, n * rows, device=device,
-                                                 _compile=torch.device(device).type == "cuda")  # fmt: skip
+                                                 _compile=device.type == "cuda")  # fmt: skip
         return self._masks[key]
 
     def attend(self, layer, q, k, v):

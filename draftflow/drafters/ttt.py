@@ -42,6 +42,11 @@ def shift_left(x: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
 TTT_ATTENTIONS = ("chunked", "chunked-gqa", "flex")
 
 
+def check_attention(attention: str) -> None:
+    if attention not in TTT_ATTENTIONS:
+        raise ValueError(f"attention must be one of {TTT_ATTENTIONS}, got {attention!r}")
+
+
 def unroll(
     drafter: Eagle3Drafter,
     input_ids: torch.Tensor,
@@ -63,8 +68,7 @@ def unroll(
     B, T = input_ids.shape
     positions = torch.arange(T, device=input_ids.device).expand(B, T)
     hidden = drafter.fuse(aux)
-    if attention not in TTT_ATTENTIONS:
-        raise ValueError(f"attention must be one of {TTT_ATTENTIONS}, got {attention!r}")
+    check_attention(attention)
     if attention == "flex":
         cache = FlexTTTCache(drafter.num_layers, doc)
     else:
@@ -141,8 +145,7 @@ class TTTObjective(nn.Module):
     def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, compile: bool = False, loss: str = "soft_ce",
                  attention: str = "chunked"):  # fmt: skip
         super().__init__()
-        if attention not in TTT_ATTENTIONS:
-            raise ValueError(f"attention must be one of {TTT_ATTENTIONS}, got {attention!r}")
+        check_attention(attention)
         self.drafter, self.steps, self.decay, self.attention = drafter, steps, decay, attention
         self.step_terms = functools.partial(step_terms, loss=LOSSES[loss])
         if compile:
