@@ -3,7 +3,8 @@
 #   train    DFlash and EAGLE-3 training with --profile from the checkout, then each once from the
 #            older code in .bench-base/ (if there: `git archive <commit> draftflow bench | tar -x -C .bench-base`)
 #   all      the done-when's figures in one call: DFlash and EAGLE-3 with --profile, extraction
-#            (ATTENTION=chunked-gqa or flex: EAGLE-3 with that TTT attention, see `attention`)
+#            (ATTENTION=chunked-gqa or flex: EAGLE-3 with that TTT attention, see `attention`, and then
+#            once more with the chunked one for the ratio); then the CUDA tests (with .dev-test/)
 #   attention  EAGLE-3's three TTT attentions side by side (--ttt-attention chunked-gqa, flex, chunked),
 #            then the CUDA tests (with .dev-test/, below)
 #   extract  extraction, lossless and fp8, from the checkout and from .bench-base/; then, with pytest's
@@ -25,6 +26,8 @@ if [ "$mode" = all ]; then
     bench dflash "$PWD" train_throughput.py --method dflash --samples 96 --workers 8 --profile
     bench eagle3 "$PWD" train_throughput.py --samples 96 --profile --ttt-attention "${ATTENTION:-chunked}"
     bench extract "$PWD" extract_throughput.py --samples 400 --writer-threads 12 --storage lossless fp8
+    # another attention's figure is compared with the chunked one's from the same machine
+    [ "${ATTENTION:-chunked}" != chunked ] && bench eagle3-chunked "$PWD" train_throughput.py --samples 96
 elif [ "$mode" = train ]; then
     bench dflash "$PWD" train_throughput.py --method dflash --samples 96 --workers 8 --profile
     bench eagle3 "$PWD" train_throughput.py --samples 96 --profile
@@ -41,7 +44,7 @@ if [ "$mode" = extract ]; then
     bench extract "$PWD" extract_throughput.py --samples 400 --writer-threads 12 --storage lossless fp8
     [ -d .bench-base ] && bench extract-base "$PWD/.bench-base" extract_throughput.py --samples 400 --writer-threads 12 --storage lossless fp8
 fi
-if [ "$mode" = extract ] || [ "$mode" = attention ]; then
+if [ "$mode" != train ]; then
     if [ -d .dev-test ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .dev-test/*.whl
         timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_extract.py tests/test_packing.py -k cuda -rs \
