@@ -308,6 +308,7 @@ OPERATIONAL_KEYS: dict[str, frozenset[str]] = {
     }),
     "train": frozenset({
         "num_workers", "log_every_steps", "save_every_steps", "eval_every_steps", "compile", "on_bad_sample",
+        "ttt_attention",
     }),
     "evaluate": frozenset({
         "device", "on_bad_sample", "server.endpoint", "server.baseline_endpoint", "server.host", "server.port",

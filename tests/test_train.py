@@ -33,6 +33,7 @@ from draftflow.drafters.train import (
     run_training,
     shard_eval_batches,
     train_step,
+    ttt_attention,
     use_compile,
 )
 from draftflow.drafters.ttt import TTTObjective, ttt_loss
@@ -176,6 +177,17 @@ def test_compile_setting_is_validated():
     assert not use_compile("auto", torch.device("cpu"))
     with pytest.raises(DraftflowError, match="'compile' must be auto, true or false"):
         TrainSettings.from_dict(settings(compile="sometimes"))
+
+
+def test_ttt_attention_setting_is_validated():
+    s = TrainSettings.from_dict(settings())
+    assert s.ttt_attention == "auto" and "ttt_attention" not in s.fingerprint_dict()  # speed only: no rerun
+    assert ttt_attention("auto", torch.device("cpu"), compile=False) == "chunked"
+    assert ttt_attention("chunked-gqa", torch.device("cpu"), compile=False) == "chunked-gqa"
+    with pytest.raises(DraftflowError, match="'ttt_attention' must be auto or one of chunked, chunked-gqa, flex"):
+        TrainSettings.from_dict(settings(ttt_attention="paged"))
+    with pytest.raises(DraftflowError, match="flex trains only on a CUDA device.*Set train.ttt_attention: auto"):
+        ttt_attention("flex", torch.device("cpu"), compile=True)
 
 
 def test_save_and_load_drafter_round_trip(world, tmp_path):

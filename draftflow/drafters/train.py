@@ -59,7 +59,7 @@ from draftflow.gpu import warn_if_gpus_idle
 from draftflow.jsonl import atomic_path, fsync_dir, read_json, write_json
 from draftflow.progress import Progress as ProgressLog
 from draftflow.threads import default_threads, split_threads
-from draftflow.drafters.ttt import STAT_ROWS, TargetHead, TTTObjective, summarize
+from draftflow.drafters.ttt import STAT_ROWS, TTT_ATTENTIONS, TargetHead, TTTObjective, summarize
 from draftflow.drafters.vocab import DraftVocab, load_vocab
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,7 @@ class TrainSettings:
     log_every_steps: int = 10
     fsdp: bool = False
     compile: bool | str = "auto"  # torch.compile norms, MLPs and the loss: "auto" = on CUDA only
+    ttt_attention: str = "auto"  # EAGLE-3's TTT attention kernel (speed only): auto or ttt.TTT_ATTENTIONS
     grad_accum: int = 1  # micro-batches per rank per optimizer step
     on_bad_sample: str = "fail"  # a missing or damaged stored sample: stop (fail) or leave it out and count (skip)
     method: str = "eagle3"  # eagle3 | dflash
@@ -141,6 +142,11 @@ class TrainSettings:
             )
         if s.compile not in ("auto", True, False):
             raise DraftflowError(f"train --settings: 'compile' must be auto, true or false, got {s.compile!r}")
+        if s.ttt_attention not in ("auto", *TTT_ATTENTIONS):
+            raise DraftflowError(
+                f"train --settings: 'ttt_attention' must be auto or one of {', '.join(TTT_ATTENTIONS)}, "
+                f"got {s.ttt_attention!r}"
+            )
         if s.loss not in LOSSES:
             raise DraftflowError(f"train --settings: 'loss' must be one of {', '.join(LOSSES)}, got {s.loss!r}")
         if s.on_bad_sample not in ("fail", "skip"):
@@ -429,8 +435,9 @@ def init_distributed(gpus: int) -> DistEnv:
     return DistEnv(rank, world, local, device)
 
 
-def make_objective(drafter, s: TrainSettings, compile: bool = False) -> nn.Module:
-    """The method's training forward: `(loss, stats [len(STAT_ROWS), s.stat_steps])`."""
+def make_objective(drafter, s: TrainSettings, compile: bool = False, attention: str = "chunked") -> nn.Module:
+    """The method's training forward: `(loss, stats [len(STAT_ROWS), s.stat_steps])`; `attention`:
+    EAGLE-3's TTT attention (`ttt_attention`)."""
     if s.method == "dflash":
         from draftflow.drafters.dflash_loss import DFlashObjective
 
@@ -439,7 +446,21 @@ def make_objective(drafter, s: TrainSettings, compile: bool = False) -> nn.Modul
         # 5% faster a step at the same loss (BENCHMARKS.md, issue 34)
         return DFlashObjective(drafter, s.loss_decay, d.labels, compile=compile, weighting=d.loss_weighting,
                                dpace_alpha=d.dpace_alpha, fused_ce=compile)  # fmt: skip
-    return TTTObjective(drafter, s.ttt_steps, s.step_weight_decay, compile=compile, loss=s.loss)
+    return TTTObjective(drafter, s.ttt_steps, s.step_weight_decay, compile=compile, loss=s.loss, attention=attention)
+
+
+def ttt_attention(setting: str, device: torch.device, compile: bool) -> str:
+    """EAGLE-3's TTT attention kernel: the same attention (and loss) by every kernel, so this is a
+    speed choice. auto: the chunked SDPA path (`ttt.unroll`) everywhere."""
+    if setting == "auto":
+        return "chunked"
+    if setting == "flex" and (device.type != "cuda" or not compile):
+        raise DraftflowError(
+            "train.ttt_attention: flex trains only on a CUDA device with train.compile on (FlexAttention has "
+            f"no eager backward); this run has device {device.type}, compile {compile}. "
+            "Set train.ttt_attention: auto"
+        )
+    return setting
 
 
 def wrap_parallel(objective: TTTObjective, env: DistEnv, fsdp: bool) -> nn.Module:
@@ -854,7 +875,9 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
 
     drafter.to(env.device)
     target_head.to(env.device, dtype=torch.bfloat16 if cuda else torch.float32)
-    objective = make_objective(drafter, s, compile=use_compile(s.compile, env.device))
+    compiled = use_compile(s.compile, env.device)
+    attention = ttt_attention(s.ttt_attention, env.device, compiled) if s.method == "eagle3" else "chunked"
+    objective = make_objective(drafter, s, compile=compiled, attention=attention)
     model = wrap_parallel(objective, env, s.fsdp and env.world_size > 1)
     optimizer, scheduler = make_optimizer(drafter, s, total_steps, fused=cuda)
     fsdp = s.fsdp and env.world_size > 1

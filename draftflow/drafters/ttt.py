@@ -139,7 +139,7 @@ class TTTObjective(nn.Module):
     compile: torch.compile the drafter's norms and MLPs and the per-step loss (`step_terms`),
     which fuses the elementwise passes eager mode makes over [tokens, Vd] logits each step.
     loss: a name of `losses.LOSSES` (config `train.loss`).
-    attention: `unroll`'s; "flex" only where FlexAttention trains (CUDA), not yet a config setting.
+    attention: `unroll`'s; "flex" only where FlexAttention trains (CUDA); config `train.ttt_attention`.
     """
 
     def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, compile: bool = False, loss: str = "soft_ce",
