@@ -190,6 +190,24 @@ def test_ttt_attention_setting_is_validated():
         ttt_attention("flex", torch.device("cpu"), compile=True)
 
 
+@pytest.mark.slow  # two trainings, ~8 s
+def test_grouped_kv_attention_trains_the_same_drafter_in_the_same_run(world, tmp_path):
+    """train.ttt_attention reaches the objective (kv heads grouped: 4 heads over 2 here) and, being
+    speed only, keeps the run's fingerprint: a changed setting resumes the same checkpoints."""
+    run_inprocess(world, tmp_path / "a", tmp_path / "s1", {})
+    run_inprocess(world, tmp_path / "b", tmp_path / "s2", {"ttt_attention": "chunked-gqa"})
+    chunked, latest1 = final_state(tmp_path / "s1")
+    grouped, latest2 = final_state(tmp_path / "s2")
+    assert latest1["step"] == latest2["step"] >= 3
+    assert [p.name for p in (tmp_path / "s1").glob("run-*")] == [p.name for p in (tmp_path / "s2").glob("run-*")]
+    np.testing.assert_allclose([r["loss"] for r in train_rows(tmp_path / "a")],
+                               [r["loss"] for r in train_rows(tmp_path / "b")], rtol=1e-5)  # fmt: skip
+    for k, v in chunked.items():
+        torch.testing.assert_close(grouped[k], v, rtol=1e-4, atol=1e-6, msg=k)
+    kernels = [json.loads((tmp_path / d / "eval.json").read_text())["ttt_attention"] for d in ("a", "b")]
+    assert kernels == ["chunked", "chunked-gqa"]
+
+
 def test_save_and_load_drafter_round_trip(world, tmp_path):
     from draftflow.drafters.vocab import load_vocab
 

@@ -988,6 +988,7 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
             for b in p.batches[: p.steps * env.world_size * s.grad_accum]
         ),
         "world_size": env.world_size,
+        "ttt_attention": attention if s.method == "eagle3" else None,  # the kernel train.ttt_attention chose
         "fingerprint": fp,
         "peak_gpu_memory_gib": peak_gpu_memory_gib(env),
         "bad_samples": {"policy": s.on_bad_sample, "train": bad_train.as_json(), "eval": bad_eval.as_json()},
