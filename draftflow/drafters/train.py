@@ -435,9 +435,9 @@ def init_distributed(gpus: int) -> DistEnv:
     return DistEnv(rank, world, local, device)
 
 
-def make_objective(drafter, s: TrainSettings, compile: bool = False, attention: str = "chunked") -> nn.Module:
+def make_objective(drafter, s: TrainSettings, compile: bool = False, attention: str | None = "chunked") -> nn.Module:
     """The method's training forward: `(loss, stats [len(STAT_ROWS), s.stat_steps])`; `attention`:
-    EAGLE-3's TTT attention (`ttt_attention`)."""
+    EAGLE-3's TTT attention (`ttt_attention`; DFlash has none)."""
     if s.method == "dflash":
         from draftflow.drafters.dflash_loss import DFlashObjective
 
@@ -876,7 +876,7 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
     drafter.to(env.device)
     target_head.to(env.device, dtype=torch.bfloat16 if cuda else torch.float32)
     compiled = use_compile(s.compile, env.device)
-    attention = ttt_attention(s.ttt_attention, env.device, compiled) if s.method == "eagle3" else "chunked"
+    attention = ttt_attention(s.ttt_attention, env.device, compiled) if s.method == "eagle3" else None
     objective = make_objective(drafter, s, compile=compiled, attention=attention)
     model = wrap_parallel(objective, env, s.fsdp and env.world_size > 1)
     optimizer, scheduler = make_optimizer(drafter, s, total_steps, fused=cuda)
@@ -988,7 +988,7 @@ def run_training(inputs: TrainInputs, s: TrainSettings, env: DistEnv | None = No
             for b in p.batches[: p.steps * env.world_size * s.grad_accum]
         ),
         "world_size": env.world_size,
-        "ttt_attention": attention if s.method == "eagle3" else None,  # the kernel train.ttt_attention chose
+        "ttt_attention": attention,  # the kernel train.ttt_attention chose (EAGLE-3; None: DFlash)
         "fingerprint": fp,
         "peak_gpu_memory_gib": peak_gpu_memory_gib(env),
         "bad_samples": {"policy": s.on_bad_sample, "train": bad_train.as_json(), "eval": bad_eval.as_json()},
