@@ -30,7 +30,9 @@ Differences that remain (speculators' own, kept unless `--spec-recipe ours-arch`
   - on CPU it runs with `--hidden-states-dtype float32` (bf16 autocast on CPU is its GPU recipe's
     precision on slow kernels), sdpa attention and its eager loss; on CUDA its defaults (bf16,
     flex attention, fused Triton loss), or with `--spec-kernels eager` bf16 with the CPU's kernels
-    and torch.compile off (no minutes-long first step).
+    and torch.compile off (no minutes-long first step), or with `--spec-kernels compiled` its
+    compiled forward and flex attention with its eager loss (its fused Triton loss fails to trace
+    under torch 2.11's dynamo: "ListVariable ... is already tracked for mutation", H100, 2026-12-05).
 
 Prints one JSON line: per trainer and seed, τ real (K = each draft_tokens) and simulated at each
 temperature, n-gram baseline, training seconds and tokens; plus mean and spread over seeds.
@@ -236,6 +238,8 @@ def speculators_argv(inp: Inputs, data: Path, samples: int, save: Path, seed: in
     ]  # fmt: skip
     if not cuda or a.spec_kernels == "eager":
         argv += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
+    elif a.spec_kernels == "compiled":
+        argv += ["--loss-implementation", "eager"]
     if a.spec_recipe == "ours-arch":
         argv += ["--no-norm-before-fc", "--no-norm-before-residual", "--no-norm-output"]
     return argv
@@ -341,10 +345,11 @@ def main(argv=None) -> int:
     p.add_argument("--spec-recipe", choices=["own", "ours-arch"], default="own",
                    help="own: speculators' EAGLE-3 defaults; ours-arch: without its three extra norms")  # fmt: skip
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--spec-kernels", choices=["own", "eager"], default="own",
+    p.add_argument("--spec-kernels", choices=["own", "compiled", "eager"], default="own",
                    help="CUDA: own = its compiled forward, flex attention and fused Triton loss (the first step "
-                   "compiles for minutes); eager = sdpa attention, its eager loss, torch.compile off (the same "
-                   "math: what it runs on the CPU)")  # fmt: skip
+                   "compiles for minutes); compiled = the same with its eager loss (its fused loss does not "
+                   "trace under torch 2.11's dynamo); eager = sdpa attention, its eager loss, torch.compile off "
+                   "(the same math: what it runs on the CPU)")  # fmt: skip
     p.add_argument("--threads", type=int, default=2, help="CPU threads of each child process")
     p.add_argument("--label", default="", help="a name for this configuration in the output")
     p.add_argument("--sim-only", action="store_true",
