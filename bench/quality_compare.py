@@ -236,7 +236,7 @@ def speculators_argv(inp: Inputs, data: Path, samples: int, save: Path, seed: in
         "--seed", str(seed),
         "--hidden-states-dtype", "bfloat16" if cuda else "float32",
     ]  # fmt: skip
-    if not cuda or a.spec_kernels == "eager":
+    if not cuda or a.spec_kernels == "eager":  # flex attention has no backward on the CPU
         argv += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
     elif a.spec_kernels == "compiled":
         argv += ["--loss-implementation", "eager"]
@@ -255,6 +255,8 @@ def train_speculators(inp: Inputs, work: Path, seed: int, data: Path, samples: i
     env = child_env(a.threads, a.spec_pythonpath)
     if a.spec_kernels == "eager":  # its conditional_torch_compile is a no-op with dynamo off
         env["TORCHDYNAMO_DISABLE"] = "1"
+    elif a.spec_kernels == "compiled" and a.device == "cpu":  # a check that its compiled forward traces
+        env["SPECULATORS_COMPILE_ON_CPU"] = "1"
     seconds = run([a.spec_python, *entry, *argv], work / "train.log", env)
     out = work / "drafter"
     shutil.rmtree(out, ignore_errors=True)

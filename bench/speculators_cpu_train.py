@@ -9,7 +9,9 @@ Its CLI cannot train on CPU as released, for three device assumptions of
   3. its step profiler calls `torch.accelerator.synchronize()`.
 This launcher points the three at the CPU (device "cpu", autocast "cpu", profiler off) and then
 runs its CLI entry unchanged: same argument parsing, model, data loader, loss, optimizer,
-scheduler and checkpoints. With `--hidden-states-dtype float32` CPU autocast stays off (bf16
+scheduler and checkpoints. With SPECULATORS_COMPILE_ON_CPU=1 its `conditional_torch_compile`
+compiles here too (it compiles only where CUDA is available): a CPU check that its compiled forward
+traces, as `--spec-kernels compiled` runs it on a GPU. With `--hidden-states-dtype float32` CPU autocast stays off (bf16
 autocast on CPU exists but is its GPU precision on slow kernels). On a GPU, run its own
 `python -m speculators.train` instead.
 """
@@ -20,7 +22,16 @@ import sys
 
 
 def main(argv: list[str]) -> None:
+    import os
+
     import torch
+
+    if os.environ.get("SPECULATORS_COMPILE_ON_CPU") == "1":
+        # its model classes decide at import whether to compile their forward: say CUDA is there then
+        cuda_is_available = torch.cuda.is_available
+        torch.cuda.is_available = lambda: True
+        import speculators.models  # noqa: F401
+        torch.cuda.is_available = cuda_is_available
     import speculators.train.trainer as trainer
     from speculators.train.cli import main as spec_main
     from speculators.train.config import TrainConfig
