@@ -79,6 +79,8 @@ collect() {
     # the logs' tails in one file: a call returns at most 8 files
     local tails; tails=$(mktemp -d)
     for f in "$W"/logs-*.txt "$W"/qc-*.log "$W"/eval-*.log; do [ -e "$f" ] && tail -c 20000 "$f" > "$tails/$(basename "$f")"; done
+    # each trainer's own log (speculators: its steps and epochs so far, for a call killed mid-training)
+    for f in "$W"/qc/*/train.log; do [ -e "$f" ] && tail -c 8000 "$f" > "$tails/train-$(basename "$(dirname "$f")").log"; done
     # each extract job's own log (its tokens/s and where its minutes went: ~24k tokens/s on the H100)
     for f in "$W"/results/logs/extract/*/*.log; do
         [ -e "$f" ] && tail -c 4000 "$f" > "$tails/extract-$(basename "$(dirname "$f")")-$(basename "$f")"
