@@ -283,11 +283,16 @@ def evalqueue(a) -> None:
     running: dict[tuple, subprocess.Popen] = {}
     done: set[tuple] = set()
 
+    # the done-when's temperatures in EVAL_ORDER, then any other (e.g. 0.7, the regeneration's) per set
+    cells = [(ps, t) for ps, t in EVAL_ORDER if ps in a.sets and t in a.temps]
+    sets = [ps for ps in dict.fromkeys(ps for ps, _ in EVAL_ORDER) if ps in a.sets]
+    cells += [(ps, t) for t in a.temps if t not in (0, 1) for ps in sets]
+
     def pending() -> list[tuple]:
         drafters = trained_drafters(w)
-        jobs = [(label, ps, t) for ps, t in EVAL_ORDER if ps in a.sets and t in a.temps for label in drafters]
+        jobs = [(label, ps, t) for ps, t in cells for label in drafters]
         return [(j, drafters[j[0]]) for j in jobs if j not in done and j not in running
-                and not (w / "evals" / j[0] / f"{j[1]}-T{j[2]}" / "acceptance.json").is_file()]
+                and not (w / "evals" / j[0] / f"{j[1]}-T{j[2]:g}" / "acceptance.json").is_file()]
 
     while time.monotonic() < end:
         for job, proc in list(running.items()):
@@ -300,15 +305,15 @@ def evalqueue(a) -> None:
         todo = pending()
         for job, drafter in todo[: max(0, limit - len(running))]:
             label, ps, t = job
-            out = w / "evals" / label / f"{ps}-T{t}"
+            out = w / "evals" / label / f"{ps}-T{t:g}"
             # prompt lookup is the same for every drafter: measured once per cell, with the drafter
             # named by --prompt-lookup-with (DFlash by default: its full block's K too)
             lookup = [] if label == a.prompt_lookup_with else ["--set", "evaluate.prompt_lookup=false"]
-            with open(w / f"eval-{label}-{ps}-{t}.log", "w") as log:
+            with open(w / f"eval-{label}-{ps}-{t:g}.log", "w") as log:
                 running[job] = subprocess.Popen(
                     [sys.executable, str(REPO / "bench" / "real_target.py"), "evaluate", "--results", str(w / "results"),
                      "--config", str(w / "config.yaml"), "--drafter", str(drafter), "--prompt-set", ps,
-                     "--temperature", str(t), "--device", a.device, "--threads", "1", "--out", str(out), *lookup],
+                     "--temperature", f"{t:g}", "--device", a.device, "--threads", "1", "--out", str(out), *lookup],
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         if not running and not todo and not training:
             return
@@ -384,7 +389,7 @@ def main(argv=None) -> int:
     e.add_argument("--jobs-training", type=int, default=4, help="at most this many while --training-flag exists")
     e.add_argument("--training-flag", type=Path)
     e.add_argument("--sets", nargs="+", default=["mtbench", "gsm8k", "humaneval"])
-    e.add_argument("--temps", nargs="+", type=int, default=[0, 1])
+    e.add_argument("--temps", nargs="+", type=float, default=[0, 1])
     e.add_argument("--device", default="cuda")
     e.add_argument("--prompt-lookup-with", default="dflash-s0", help="the one drafter label whose jobs measure prompt lookup")
     o = sub.add_parser("collect")
