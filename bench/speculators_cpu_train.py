@@ -9,11 +9,13 @@ Its CLI cannot train on CPU as released, for three device assumptions of
   3. its step profiler calls `torch.accelerator.synchronize()`.
 This launcher points the three at the CPU (device "cpu", autocast "cpu", profiler off) and then
 runs its CLI entry unchanged: same argument parsing, model, data loader, loss, optimizer,
-scheduler and checkpoints. With SPECULATORS_COMPILE_ON_CPU=1 its `conditional_torch_compile`
-compiles here too (it compiles only where CUDA is available): a CPU check that its compiled forward
-traces, as `--spec-kernels compiled` runs it on a GPU. With `--hidden-states-dtype float32` CPU autocast stays off (bf16
+scheduler and checkpoints. With `--hidden-states-dtype float32` CPU autocast stays off (bf16
 autocast on CPU exists but is its GPU precision on slow kernels). On a GPU, run its own
 `python -m speculators.train` instead.
+
+With SPECULATORS_COMPILE_ON_CPU=1 its `conditional_torch_compile` compiles here too (it compiles
+only where CUDA is available): a CPU check that its compiled forward traces with its eager loss,
+as `bench/quality_compare.py --spec-kernels compiled` runs it on a GPU.
 """
 
 from __future__ import annotations
