@@ -29,10 +29,11 @@ Differences that remain (speculators' own, kept unless `--spec-recipe ours-arch`
   - its validation split cannot be empty: the last training sample is held out from it;
   - on CPU it runs with `--hidden-states-dtype float32` (bf16 autocast on CPU is its GPU recipe's
     precision on slow kernels), sdpa attention and its eager loss; on CUDA its defaults (bf16,
-    flex attention, fused Triton loss), or with `--spec-kernels eager` bf16 with the CPU's kernels
-    and torch.compile off (no minutes-long first step), or with `--spec-kernels compiled` its
-    compiled forward and flex attention with its eager loss (its fused Triton loss fails to trace
-    under torch 2.11's dynamo: "ListVariable ... is already tracked for mutation", H100, 2026-12-05).
+    flex attention, fused Triton loss: through `bench/speculators_gpu_train.py`, which splits its
+    fused loss kernels' shared autotune configs, without which its first step fails under torch
+    2.11's dynamo), or with `--spec-kernels eager` bf16 with the CPU's kernels and torch.compile
+    off (no minutes-long first step), or with `--spec-kernels compiled` its compiled forward and
+    flex attention with its eager loss.
 
 Prints one JSON line: per trainer and seed, τ real (K = each draft_tokens) and simulated at each
 temperature, n-gram baseline, training seconds and tokens; plus mean and spread over seeds.
@@ -250,8 +251,14 @@ def train_speculators(inp: Inputs, work: Path, seed: int, data: Path, samples: i
     if not a.resume:
         shutil.rmtree(save, ignore_errors=True)
     argv = speculators_argv(inp, data, samples, save, seed, a)
-    # its CLI as released needs a GPU; on the CPU a launcher points its three device assumptions there
-    entry = ["-m", "speculators.train"] if a.device == "cuda" else [str(REPO / "bench" / "speculators_cpu_train.py")]
+    # its CLI as released needs a GPU; on the CPU a launcher points its three device assumptions there,
+    # and on the GPU its fused loss needs one (torch 2.11: bench/speculators_gpu_train.py)
+    if a.device == "cpu":
+        entry = [str(REPO / "bench" / "speculators_cpu_train.py")]
+    elif a.spec_kernels == "own":
+        entry = [str(REPO / "bench" / "speculators_gpu_train.py")]
+    else:
+        entry = ["-m", "speculators.train"]
     env = child_env(a.threads, a.spec_pythonpath)
     if a.spec_kernels == "eager":  # its conditional_torch_compile is a no-op with dynamo off
         env["TORCHDYNAMO_DISABLE"] = "1"
@@ -349,9 +356,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--spec-kernels", choices=["own", "compiled", "eager"], default="own",
                    help="CUDA: own = its compiled forward, flex attention and fused Triton loss (the first step "
-                   "compiles for minutes); compiled = the same with its eager loss (its fused loss does not "
-                   "trace under torch 2.11's dynamo); eager = sdpa attention, its eager loss, torch.compile off "
-                   "(the same math: what it runs on the CPU)")  # fmt: skip
+                   "compiles for minutes; bench/speculators_gpu_train.py); compiled = the same with its eager "
+                   "loss; eager = sdpa attention, its eager loss, torch.compile off (the same math: what it runs "
+                   "on the CPU)")  # fmt: skip
     p.add_argument("--threads", type=int, default=2, help="CPU threads of each child process")
     p.add_argument("--label", default="", help="a name for this configuration in the output")
     p.add_argument("--sim-only", action="store_true",

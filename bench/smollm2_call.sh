@@ -26,9 +26,9 @@
 # RETURN_DRAFTER=<label> (e.g. ours-s0): that drafter also comes back, as drafter-<label>.tar.part.NN
 # (~47 MB: one a call); mode `return` only collects. A later session carries the pieces in
 # (.dev-smol/drafters/, by `stash`) and evaluates them without retraining (imported before evalqueue).
-# SPEC_KERNELS=compiled: speculators trains with its compiled forward and flex attention (compiled on
-# the first step) and its eager loss instead of eager kernels; `own` adds its fused Triton loss, which
-# does not trace under the device image's torch 2.11 (BENCHMARKS.md, "Our EAGLE-3 over three seeds").
+# SPEC_KERNELS=own: speculators trains with its own kernels (compiled forward, flex attention, fused
+# Triton loss; compiled on the first step, through bench/speculators_gpu_train.py) instead of eager
+# ones; `compiled` keeps all but the fused loss (its eager one).
 # On the CPU (a smoke test): SKIP_INSTALL=1 DEVICE=cpu TINY=1 W=/tmp/smolcpu OUT=/tmp/smolcpu-out.
 set -u -o pipefail
 mode="$1"
