@@ -3,8 +3,8 @@
 #   train    DFlash and EAGLE-3 training with --profile from the checkout, then each once from the
 #            older code in .bench-base/ (if there: `git archive <commit> draftflow bench | tar -x -C .bench-base`)
 #   all      the done-when's figures in one call: DFlash and EAGLE-3 with --profile, extraction
-#            (ATTENTION=chunked-gqa or flex: EAGLE-3 with that TTT attention, see `attention`, and then
-#            once more with the chunked one for the ratio); then the CUDA tests (with .dev-test/)
+#            (EAGLE-3 with ATTENTION, default chunked-gqa: the workflow's CUDA choice; see `attention`; then
+#            once more with the chunked one, heads expanded, for the ratio); then the CUDA tests (with .dev-test/)
 #   attention  EAGLE-3's three TTT attentions side by side (--ttt-attention chunked-gqa, flex, chunked),
 #            then the CUDA tests (with .dev-test/, below)
 #   extract  extraction, lossless and fp8, from the checkout and from .bench-base/; then, with pytest's
@@ -24,10 +24,10 @@ bench() {  # NAME CODE_DIR SCRIPT ARGS…: one bench run, its stdout (JSON lines
 }
 if [ "$mode" = all ]; then
     bench dflash "$PWD" train_throughput.py --method dflash --samples 96 --workers 8 --profile
-    bench eagle3 "$PWD" train_throughput.py --samples 96 --profile --ttt-attention "${ATTENTION:-chunked}"
+    bench eagle3 "$PWD" train_throughput.py --samples 96 --profile --ttt-attention "${ATTENTION:-chunked-gqa}"
     bench extract "$PWD" extract_throughput.py --samples 400 --writer-threads 12 --storage lossless fp8
     # another attention's figure is compared with the chunked one's from the same machine
-    [ "${ATTENTION:-chunked}" != chunked ] && bench eagle3-chunked "$PWD" train_throughput.py --samples 96
+    [ "${ATTENTION:-chunked-gqa}" != chunked ] && bench eagle3-chunked "$PWD" train_throughput.py --samples 96 --ttt-attention chunked
 elif [ "$mode" = train ]; then
     bench dflash "$PWD" train_throughput.py --method dflash --samples 96 --workers 8 --profile
     bench eagle3 "$PWD" train_throughput.py --samples 96 --profile
@@ -38,7 +38,7 @@ elif [ "$mode" = train ]; then
 elif [ "$mode" = attention ]; then
     bench eagle3-chunked-gqa "$PWD" train_throughput.py --samples 96 --ttt-attention chunked-gqa --profile
     bench eagle3-flex "$PWD" train_throughput.py --samples 96 --ttt-attention flex --profile
-    bench eagle3-chunked "$PWD" train_throughput.py --samples 96
+    bench eagle3-chunked "$PWD" train_throughput.py --samples 96 --ttt-attention chunked
 fi
 if [ "$mode" = extract ]; then
     bench extract "$PWD" extract_throughput.py --samples 400 --writer-threads 12 --storage lossless fp8

@@ -96,8 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batching", choices=["packed", "padded"], default="packed",
                    help="EAGLE-3: packed rows (training's), or one sample a padded row, length-sorted (before packing)")  # fmt: skip
     p.add_argument("--ttt-steps", type=int, default=7)
-    p.add_argument("--ttt-attention", choices=["chunked", "chunked-gqa", "flex"], default="chunked",
-                   help="EAGLE-3: the training-time test's attention (ttt.unroll; flex: GPU only)")
+    p.add_argument("--ttt-attention", choices=["chunked", "chunked-gqa", "flex"], default="chunked-gqa",
+                   help="EAGLE-3: the training-time test's attention (ttt.unroll; flex: GPU only); "
+                        "chunked-gqa is what train.ttt_attention auto picks on CUDA")
     p.add_argument("--dflash-layers", type=int, help="DFlash draft layers (default 5; tiny 2)")
     p.add_argument("--block-size", type=int, help="DFlash block size (default 16; tiny 8)")
     p.add_argument("--anchors", type=int, help="DFlash anchors per sample (default 512; tiny 32)")

@@ -29,9 +29,10 @@ def tiny_config(layers: int = 1, **kw) -> Eagle3Config:
     return Eagle3Config.from_target(target, draft_vocab_size=VD, aux_layer_ids=[1, 3, 4], num_hidden_layers=layers)
 
 
-def tiny_drafter(layers: int = 1, seed: int = 0, dtype=torch.float64) -> Eagle3Drafter:
+def tiny_drafter(layers: int = 1, seed: int = 0, dtype=torch.float64, **config) -> Eagle3Drafter:
+    """config: target config keys tiny_config overrides (e.g. head_dim)."""
     torch.manual_seed(seed)
-    model = Eagle3Drafter(tiny_config(layers))
+    model = Eagle3Drafter(tiny_config(layers, **config))
     torch.nn.init.normal_(model.embed_tokens.weight)
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[torch.randperm(V)[:VD]] = True

@@ -267,7 +267,8 @@ def test_other_ttt_attentions_on_cuda_give_the_chunked_loss_and_gradients(attent
 def _assert_same_training(batch, head, attention_a: str, attention_b: str, tol: float) -> None:
     results = []
     for name in (attention_a, attention_b):
-        model = tiny_drafter(layers=2, dtype=torch.float32).cuda()
+        # head_dim 16: FlexAttention's CUDA kernels refuse fewer (tiny_drafter's default is 8)
+        model = tiny_drafter(layers=2, dtype=torch.float32, head_dim=16).cuda()
         to_draft = torch.full((96,), -1, dtype=torch.int64, device="cuda")
         to_draft[model.t2d] = torch.arange(VD, device="cuda")
         z = batch.final.float() @ head.T

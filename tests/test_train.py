@@ -183,6 +183,7 @@ def test_ttt_attention_setting_is_validated():
     s = TrainSettings.from_dict(settings())
     assert s.ttt_attention == "auto" and "ttt_attention" not in s.fingerprint_dict()  # speed only: no rerun
     assert ttt_attention("auto", torch.device("cpu"), compile=False) == "chunked"
+    assert ttt_attention("auto", torch.device("cuda"), compile=True) == "chunked-gqa"  # a choice, no device used
     assert ttt_attention("chunked-gqa", torch.device("cpu"), compile=False) == "chunked-gqa"
     with pytest.raises(DraftflowError, match="'ttt_attention' must be auto or one of chunked, chunked-gqa, flex"):
         TrainSettings.from_dict(settings(ttt_attention="paged"))

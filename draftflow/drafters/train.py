@@ -451,9 +451,11 @@ def make_objective(drafter, s: TrainSettings, compile: bool = False, attention: 
 
 def ttt_attention(setting: str, device: torch.device, compile: bool) -> str:
     """EAGLE-3's TTT attention kernel: the same attention (and loss) by every kernel, so this is a
-    speed choice. auto: the chunked SDPA path (`ttt.unroll`) everywhere."""
+    speed choice. auto: on CUDA the chunked SDPA path with grouped kv heads (on the H200 1.04x the
+    expanded heads' tokens/s at the same loss, 10 GiB less memory: BENCHMARKS.md, issue 34); elsewhere
+    the chunked path with expanded heads (`ttt.unroll`), which keeps CPU-trained drafters bit-identical."""
     if setting == "auto":
-        return "chunked"
+        return "chunked-gqa" if device.type == "cuda" else "chunked"
     if setting == "flex" and (device.type != "cuda" or not compile):
         raise DraftflowError(
             "train.ttt_attention: flex trains only on a CUDA device with train.compile on (FlexAttention has "
