@@ -3,7 +3,7 @@
 #   train    DFlash and EAGLE-3 training with --profile from the checkout, then each once from the
 #            older code in .bench-base/ (if there: `git archive <commit> draftflow bench | tar -x -C .bench-base`)
 #   all      the done-when's figures in one call: DFlash and EAGLE-3 with --profile, extraction
-#            (EAGLE-3 with ATTENTION, default chunked-gqa: the workflow's CUDA choice; see `attention`; then
+#            (EAGLE-3 with ATTENTION, default auto: the workflow's CUDA choice, chunked-gqa; see `attention`; then
 #            once more with the chunked one, heads expanded, for the ratio); then the CUDA tests (with .dev-test/)
 #   attention  EAGLE-3's three TTT attentions side by side (--ttt-attention chunked-gqa, flex, chunked),
 #            then the CUDA tests (with .dev-test/, below)
@@ -24,10 +24,10 @@ bench() {  # NAME CODE_DIR SCRIPT ARGS…: one bench run, its stdout (JSON lines
 }
 if [ "$mode" = all ]; then
     bench dflash "$PWD" train_throughput.py --method dflash --samples 96 --workers 8 --profile
-    bench eagle3 "$PWD" train_throughput.py --samples 96 --profile --ttt-attention "${ATTENTION:-chunked-gqa}"
+    bench eagle3 "$PWD" train_throughput.py --samples 96 --profile --ttt-attention "${ATTENTION:-auto}"
     bench extract "$PWD" extract_throughput.py --samples 400 --writer-threads 12 --storage lossless fp8
     # another attention's figure is compared with the chunked one's from the same machine
-    [ "${ATTENTION:-chunked-gqa}" != chunked ] && bench eagle3-chunked "$PWD" train_throughput.py --samples 96 --ttt-attention chunked
+    [ "${ATTENTION:-auto}" != chunked ] && bench eagle3-chunked "$PWD" train_throughput.py --samples 96 --ttt-attention chunked
 elif [ "$mode" = train ]; then
     bench dflash "$PWD" train_throughput.py --method dflash --samples 96 --workers 8 --profile
     bench eagle3 "$PWD" train_throughput.py --samples 96 --profile

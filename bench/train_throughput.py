@@ -66,9 +66,9 @@ from draftflow.drafters.dflash_loss import ArgmaxHead, DFlashObjective  # noqa: 
 from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
 from draftflow.hidden_states.storage import HiddenStateReader, SampleStore, encode_sample, sample_key, write_range_index  # noqa: E402
 from draftflow.drafters.train import (  # noqa: E402
-    DistEnv, TrainSettings, make_loader, make_optimizer, plan_micro_batches, train_step, use_compile,
+    DistEnv, TrainSettings, make_loader, make_optimizer, plan_micro_batches, train_step, ttt_attention, use_compile,
 )  # fmt: skip
-from draftflow.drafters.ttt import TargetHead, TTTObjective  # noqa: E402
+from draftflow.drafters.ttt import TTT_ATTENTIONS, TargetHead, TTTObjective  # noqa: E402
 
 LLAMA_31_8B = {
     "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
@@ -96,9 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batching", choices=["packed", "padded"], default="packed",
                    help="EAGLE-3: packed rows (training's), or one sample a padded row, length-sorted (before packing)")  # fmt: skip
     p.add_argument("--ttt-steps", type=int, default=7)
-    p.add_argument("--ttt-attention", choices=["chunked", "chunked-gqa", "flex"], default="chunked-gqa",
+    p.add_argument("--ttt-attention", choices=["auto", *TTT_ATTENTIONS], default="auto",
                    help="EAGLE-3: the training-time test's attention (ttt.unroll; flex: GPU only); "
-                        "chunked-gqa is what train.ttt_attention auto picks on CUDA")
+                        "auto: what train.ttt_attention auto picks (chunked-gqa on CUDA)")
     p.add_argument("--dflash-layers", type=int, help="DFlash draft layers (default 5; tiny 2)")
     p.add_argument("--block-size", type=int, help="DFlash block size (default 16; tiny 8)")
     p.add_argument("--anchors", type=int, help="DFlash anchors per sample (default 512; tiny 32)")
@@ -248,6 +248,7 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     compiled = use_compile({"on": True, "off": False}.get(a.compile, "auto"), device)
     fused_ce = a.method == "dflash" and (compiled if a.fused_ce == "auto" else a.fused_ce == "on")
+    a.ttt_attention = ttt_attention(a.ttt_attention, device, compiled)  # the kernel the workflow would train with
     if a.method == "dflash":
         cfg, drafter, head = build_dflash(a, shape, device, dtype)
         aux_ids = tuple(cfg.target_layer_ids)
