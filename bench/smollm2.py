@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -212,19 +213,21 @@ def pack_drafter(a) -> None:
 
 def import_drafters(a) -> None:
     """Every drafter-<label>.tar.part.* set in --source unpacked where `trained_drafters` finds it
-    under that label (`qc/<trainer>-imported-s<seed>/drafter`; a DFlash label is its own folder)."""
+    under that label (`qc/<trainer>-imported[-v-<variant>]-s<seed>/drafter`; a DFlash label is its
+    own folder)."""
     import io
-    import re
     import tarfile
 
     pieces: dict[str, list[Path]] = {}
     for path in sorted(a.source.glob("drafter-*.tar.part.*")):
         pieces.setdefault(re.sub(r"^drafter-|\.tar\.part\.\d+$", "", path.name), []).append(path)
     for label, parts in pieces.items():
-        trainer, _, seed = label.rpartition("-s")
-        if not trainer or not seed.isdigit():
-            raise SystemExit(f"import-drafters: {parts[0]}: the label {label!r} is not <trainer>-s<seed>")
-        run = a.work / "qc" / (label if trainer.startswith("dflash") else f"{trainer}-imported-s{seed}")
+        name, _, seed = label.rpartition("-s")
+        if not name or not seed.isdigit():
+            raise SystemExit(f"import-drafters: {parts[0]}: the label {label!r} is not <trainer>[-<variant>]-s<seed>")
+        trainer, _, variant = name.partition("-")
+        folder_name = label if trainer == "dflash" else f"{trainer}-imported{'-v-' + variant if variant else ''}-s{seed}"
+        run = a.work / "qc" / folder_name
         folder = run / "drafter"
         folder.mkdir(parents=True, exist_ok=True)
         with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts))) as tar:
@@ -247,24 +250,50 @@ DFLASH_VARIANTS = {
     "l1-data": {"labels": "data"},
 }
 
+# EAGLE-3 recipe variants: what differs between the two trainers (speculators' two extra norms, its
+# norms off), what may raise greedy acceptance (the target temperature) and issue 32 item 6's remeasures, each trained by bench/quality_compare.py at the
+# first seed with the session's recipe plus these arguments (trainer first), under the label
+# `v-<name>` (its folder `<trainer>-…-v-<name>-s<seed>`, evaluated as `<trainer>-<name>-s<seed>`);
+# smollm2_call.sh's EAGLE3_VARIANTS names them
+EAGLE3_VARIANTS = {
+    "norms": ["ours", "--set", "train.norm_before_fc=true", "--set", "train.norm_before_residual=true"],
+    "nbfc": ["ours", "--set", "train.norm_before_fc=true"],
+    "lk": ["ours", "--set", "train.loss=lk"],
+    "no-norm-output": ["ours", "--set", "train.norm_output=false"],
+    # the target distribution the loss matches (train.target_temperature): its argmax alone (what greedy
+    # serving accepts), or sharpened half-way
+    "t0": ["ours", "--set", "train.target_temperature=0"],
+    "t05": ["ours", "--set", "train.target_temperature=0.5"],
+    "arch": ["speculators", "--spec-recipe", "ours-arch"],
+}
+
 # most wanted first: the done-when's cells (K = 7 on MT-bench and GSM8K at both temperatures), then HumanEval
 EVAL_ORDER = [("mtbench", 0), ("gsm8k", 0), ("mtbench", 1), ("gsm8k", 1), ("humaneval", 0), ("humaneval", 1)]
 
 
+def drafter_label_of(folder: str) -> str:
+    """A bench/quality_compare.py folder's evaluation label: `<trainer>-…-s<seed>` -> `<trainer>-s<seed>`;
+    an EAGLE-3 variant's `<trainer>-…-v-<name>-s<seed>` -> `<trainer>-<name>-s<seed>`; a DFlash
+    variant keeps its whole name, `dflash-<variant>-s<seed>`."""
+    trainer = folder.split("-", 1)[0]
+    if trainer == "dflash":
+        return folder
+    middle, _, seed = folder.partition("-")[2].rpartition("-s")
+    variant = re.search(r"(?:^|-)v-(.+)$", middle)
+    return f"{trainer}-{variant[1]}-s{seed}" if variant else f"{trainer}-s{seed}"
+
+
 def trained_drafters(w: Path) -> dict[str, Path]:
-    """label -> drafter folder, for every drafter whose training has finished (the workflow's
-    DFlash, and bench/quality_compare.py's `<trainer>-…-s<seed>` folders once train_info.json is
-    written: `<trainer>-s<seed>`, but a DFlash variant keeps its whole name, `dflash-<variant>-s<seed>`)."""
+    """label (`drafter_label_of`) -> drafter folder, for every drafter whose training has finished:
+    the workflow's DFlash, and bench/quality_compare.py's folders once train_info.json is written."""
     found = {}
     dflash = w / "results" / "drafter" / "dflash"
     if (dflash / "config.json").is_file() and (dflash / "eval.json").is_file():
         found["dflash-s0"] = dflash
     for info in sorted((w / "qc").glob("*-s*/train_info.json")):
         folder = info.parent
-        trainer = folder.name.split("-", 1)[0]
         if (folder / "drafter" / "config.json").is_file():
-            label = folder.name if trainer == "dflash" else f"{trainer}-s{folder.name.rsplit('-s', 1)[1]}"
-            found[label] = folder / "drafter"
+            found[drafter_label_of(folder.name)] = folder / "drafter"
     return found
 
 
@@ -362,6 +391,8 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("dflash-variant", help="print a DFlash variant's train.dflash overrides (JSON)")
     v.add_argument("name", choices=sorted(DFLASH_VARIANTS))
+    ev = sub.add_parser("eagle3-variant", help="print an EAGLE-3 variant's trainer and quality_compare arguments")
+    ev.add_argument("name", choices=sorted(EAGLE3_VARIANTS))
     c = sub.add_parser("configs")
     c.add_argument("--work", type=Path, required=True)
     c.add_argument("--model", type=Path, required=True, help="the converted HF folder")
@@ -407,6 +438,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     {"configs": configs, "ppl": ppl, "heldout": heldout, "neighbours": neighbours, "collect": collect, "table": table,
      "evalqueue": evalqueue, "dflash-variant": lambda a: print(json.dumps(DFLASH_VARIANTS[a.name])),
+     "eagle3-variant": lambda a: print(" ".join(EAGLE3_VARIANTS[a.name])),
      "pack-drafter": pack_drafter, "import-drafters": import_drafters}[a.cmd](a)
     return 0
 

@@ -12,7 +12,10 @@
 #   train  on the warm machine's data: our EAGLE-3 and speculators 0.9's at seeds SEEDS (one process
 #          each, side by side), and the workflow's DFlash. TRAINERS picks among them (default
 #          "ours speculators dflash"; NO_SPECULATORS=1 drops speculators); DFLASH_VARIANTS="l5-dpace …"
-#          also trains those DFlash recipes (bench/smollm2.py DFLASH_VARIANTS) at the first seed
+#          also trains those DFlash recipes (bench/smollm2.py DFLASH_VARIANTS) at the first seed, and
+#          EAGLE3_VARIANTS="norms arch …" those EAGLE-3 recipes (bench/smollm2.py EAGLE3_VARIANTS: ours
+#          with speculators' norms, speculators without them, …), evaluated as <trainer>-<variant>-s<seed>;
+#          SPEC_SEEDS (default SEEDS): speculators' seeds, where a session trains others than ours'
 #   eval   every drafter `draftflow evaluate`d on the GPU: real τ at K 3/5/7, T 0 and 1, on MT-bench
 #          (both turns), GSM8K and HumanEval; simulated τ; prompt lookup. At most JOBS at a time.
 #   all    data (skipped when RESUME=1 finds it done), train, and evaluate each drafter as soon as it
@@ -38,6 +41,7 @@ W=${W:-/tmp/smolrun}
 S=${S:-/tmp/smol}
 DEVICE=${DEVICE:-cuda}
 SEEDS=${SEEDS:-0 1 2}
+SPEC_SEEDS=${SPEC_SEEDS:-$SEEDS}  # speculators' own seeds, where a session trains other seeds of it than of ours
 LABEL=${LABEL:-ep4}
 TRAINERS=${TRAINERS:-ours speculators dflash}
 [ -n "${NO_SPECULATORS:-}" ] && TRAINERS=${TRAINERS//speculators/}
@@ -172,6 +176,15 @@ EOF
     collect
 fi
 if [ "$mode" = train ] || [ "$mode" = datatrain ] || [ "$mode" = all ]; then
+    spec_variants=()  # EAGLE3_VARIANTS of speculators': checked before anything starts
+    for variant in ${EAGLE3_VARIANTS:-}; do
+        spec=$(python3 bench/smollm2.py eagle3-variant "$variant") || exit 1
+        [ "${spec%% *}" = speculators ] && spec_variants+=("$variant")
+    done
+    if [ ${#spec_variants[@]} -gt 0 ] && ! trains speculators; then
+        note "EAGLE3_VARIANTS=${spec_variants[*]} trains speculators: put speculators in TRAINERS (its first seed converts the store)"
+        exit 1
+    fi
     touch "$W/training.flag"
     if [ "$mode" = all ]; then
         evalqueue &
@@ -188,16 +201,27 @@ if [ "$mode" = train ] || [ "$mode" = datatrain ] || [ "$mode" = all ]; then
     for variant in ${DFLASH_VARIANTS:-}; do
         pids+=("$(qc ours "$first" "$variant" --dflash "$(python3 bench/smollm2.py dflash-variant "$variant")")")
     done
-    trains speculators && pids+=("$(qc speculators "$first")")
-    # the other speculators seeds once the first has converted the store (one copy on disk) and ours have
-    # finished: seven trainers side by side ran speculators out of the card's memory (2026-12-05)
-    ours_done() { trains ours || return 0; for seed in $SEEDS; do ls "$W"/qc/ours-*-s"$seed"/train_info.json > /dev/null 2>&1 || return 1; done; }
+    # EAGLE3_VARIANTS (bench/smollm2.py EAGLE3_VARIANTS): the session's recipe plus a variant's arguments,
+    # at the first seed (speculators': of SPEC_SEEDS); ours' start now, speculators' with its other seeds below
+    for variant in ${EAGLE3_VARIANTS:-}; do
+        read -r trainer args <<< "$(python3 bench/smollm2.py eagle3-variant "$variant")"
+        [ "$trainer" = ours ] && pids+=("$(qc ours "$first" "v-$variant" $args)")
+    done
+    spec_first=${SPEC_SEEDS%% *}
+    trains speculators && pids+=("$(qc speculators "$spec_first")")
+    # the other speculators seeds and variants once the first has converted the store (one copy on disk)
+    # and ours have finished: seven trainers side by side ran speculators out of the card's memory (2026-12-05)
+    ours_done() { trains ours || return 0; for seed in $SEEDS; do [ -e "$W/qc/ours-$LABEL-s$seed/train_info.json" ] || return 1; done; }
     ! trains speculators || (
         while [ ! -e "$W/qc/speculators_data/draftflow_export.json" ] || ! ours_done; do  # interop.SIDECAR: written last
             [ "$(elapsed)" -ge "$DEADLINE" ] && exit 1
             sleep 3
         done
-        for seed in ${SEEDS#"$first"}; do qc speculators "$seed" > /dev/null; done
+        for seed in ${SPEC_SEEDS#"$spec_first"}; do qc speculators "$seed" > /dev/null; done
+        for variant in "${spec_variants[@]}"; do
+            read -r trainer args <<< "$(python3 bench/smollm2.py eagle3-variant "$variant")"
+            qc speculators "$spec_first" "v-$variant" $args > /dev/null
+        done
         wait
     ) &
     pids+=("$!")
