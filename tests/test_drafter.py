@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter, rope_inv_freq
 from draftflow.drafters.ttt import (
@@ -12,6 +13,7 @@ from draftflow.drafters.ttt import (
     TargetHead,
     TargetInfo,
     acceptance_length,
+    soft_ce,
     summarize,
     ttt_loss,
     unroll,
@@ -192,6 +194,28 @@ def test_target_head_restricts_softmax_and_maps_argmax():
     in_vocab = model.t2d[arg]
     assert (info.argmax[~in_vocab] == -1).all()
     assert (model.to_target_ids(info.argmax[in_vocab]) == arg[in_vocab]).all()
+
+
+def test_target_head_temperature_sharpens_the_probabilities_and_keeps_the_argmax():
+    model = tiny_drafter()
+    final = torch.randn(3, 7, H, dtype=torch.float64)
+    weight = torch.randn(V, H, dtype=torch.float64)
+    plain = TargetHead(weight, model.t2d)(final)
+    draft_ids = model.d2t + torch.arange(VD)
+    z = final @ weight.T
+    half = TargetHead(weight, model.t2d, temperature=0.5)(final, chunk_tokens=4)
+    torch.testing.assert_close(half.probs, torch.softmax(z[..., draft_ids] / 0.5, -1).float())
+    greedy = TargetHead(weight, model.t2d, temperature=0.0)(final, chunk_tokens=4)
+    assert torch.equal(half.argmax, plain.argmax) and torch.equal(greedy.argmax, plain.argmax)
+    in_vocab = plain.argmax >= 0
+    assert in_vocab.any() and (~in_vocab).any()  # both kinds of rows are checked
+    # temperature 0: the draft argmax as a one-hot row; no mass where the argmax is outside the draft vocab
+    expected = F.one_hot(plain.argmax.clamp(min=0), VD).float() * in_vocab[..., None]
+    assert torch.equal(greedy.probs, expected)
+    # soft CE against it is the cross-entropy on the target's greedy token
+    logits = torch.randn(3, 7, VD, dtype=torch.float64)
+    ce = soft_ce(logits, greedy.probs.double())[in_vocab]
+    torch.testing.assert_close(ce, F.cross_entropy(logits[in_vocab], plain.argmax[in_vocab], reduction="none"))
 
 
 def test_loss_is_masked_and_skips_tokens_outside_the_draft_vocab():

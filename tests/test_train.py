@@ -179,6 +179,28 @@ def test_compile_setting_is_validated():
         TrainSettings.from_dict(settings(compile="sometimes"))
 
 
+def test_target_temperature_setting_is_validated():
+    s = TrainSettings.from_dict(settings())
+    assert s.target_temperature == 1.0 and "target_temperature" not in s.fingerprint_dict()  # resume state as before
+    assert TrainSettings.from_dict(settings(target_temperature=0)).fingerprint_dict()["target_temperature"] == 0
+    with pytest.raises(DraftflowError, match="'target_temperature' must be >= 0"):
+        TrainSettings.from_dict(settings(target_temperature=-0.5))
+    with pytest.raises(DraftflowError, match="target_temperature apply to EAGLE-3 only"):
+        TrainSettings.from_dict(settings(method="dflash", dflash={}, target_temperature=0.5))
+
+
+def test_the_training_head_matches_the_configured_temperature(world):
+    from draftflow.drafters.vocab import load_vocab
+    from draftflow.hidden_states.storage import HiddenStateReader
+
+    s = TrainSettings.from_dict(settings(target_temperature=0))
+    _, head, _ = build_drafter(s, world["target"], load_vocab(world["vocab"]))
+    target = head(collate([HiddenStateReader(world["train"])[0]], s.ttt_steps).final)
+    in_vocab = target.argmax >= 0
+    assert torch.equal(target.probs.sum(-1), in_vocab.float())  # one-hot rows: the target's greedy token
+    assert torch.equal(target.probs.argmax(-1)[in_vocab], target.argmax[in_vocab])
+
+
 def test_ttt_attention_setting_is_validated():
     s = TrainSettings.from_dict(settings())
     assert s.ttt_attention == "auto" and "ttt_attention" not in s.fingerprint_dict()  # speed only: no rerun

@@ -88,6 +88,8 @@ class TrainSettings:
     ttt_steps: int = 7
     step_weight_decay: float = 0.8
     loss: str = "soft_ce"  # a name of drafters.losses.LOSSES
+    # the temperature of the target distribution the loss matches (ttt.TargetHead); 0: its argmax alone
+    target_temperature: float = 1.0
     # speculators' EAGLE-3 recipe norms (drafters.eagle3.VARIANT_FLAGS); all off = SGLang's layout
     norm_before_fc: bool = False
     norm_before_residual: bool = False
@@ -129,7 +131,8 @@ class TrainSettings:
         s = cls(**values)
         if s.method == "dflash":
             DFlashSettings.from_dict(s.dflash)  # refuses unknown or invalid keys now, not mid-run
-            eagle_only = [k for k in (*VARIANT_FLAGS, "loss", "batching") if getattr(s, k) != known[k].default]
+            eagle_only = [k for k in (*VARIANT_FLAGS, "loss", "batching", "target_temperature")
+                          if getattr(s, k) != known[k].default]
             if eagle_only:
                 raise DraftflowError(
                     f"train --settings: {', '.join(eagle_only)} apply to EAGLE-3 only; DFlash trains with "
@@ -160,6 +163,10 @@ class TrainSettings:
                 raise DraftflowError(f"train --settings: '{name}' must be >= 1")
         if s.epochs <= 0:
             raise DraftflowError("train --settings: 'epochs' must be > 0")
+        if s.target_temperature < 0:
+            raise DraftflowError(
+                f"train --settings: 'target_temperature' must be >= 0 (0: the target's argmax), got {s.target_temperature}"
+            )
         return s
 
     def fingerprint_dict(self) -> dict:
@@ -167,6 +174,8 @@ class TrainSettings:
         out = {k: v for k, v in dataclasses.asdict(self).items() if k not in OPERATIONAL | PLACEMENT | {"batching"}}
         if self.method == "eagle3":  # as before methods existed: EAGLE-3 resume state stays valid
             out.pop("method"), out.pop("dflash")
+        if self.target_temperature == 1.0:  # as before it could be set: resume state stays valid
+            out.pop("target_temperature")
         return out
 
     @property
@@ -344,7 +353,7 @@ def build_drafter(
     with torch.no_grad():  # start from the target's head rows: logits begin in the right space
         drafter.lm_head.weight.copy_(tensors["lm_head"][target_ids].float())
     drafter.set_vocab(torch.from_numpy(vocab.d2t), torch.from_numpy(vocab.t2d))
-    return drafter, TargetHead(tensors["lm_head"], torch.from_numpy(vocab.t2d)), cfg
+    return drafter, TargetHead(tensors["lm_head"], torch.from_numpy(vocab.t2d), s.target_temperature), cfg
 
 
 def _load_tokenizer(path: Path | None):

@@ -85,10 +85,17 @@ class TargetInfo:
 
 
 class TargetHead(nn.Module):
-    """The target's frozen LM head applied to stored final (post-norm) states."""
+    """The target's frozen LM head applied to stored final (post-norm) states.
 
-    def __init__(self, weight: torch.Tensor, t2d: torch.Tensor):
+    temperature (config `train.target_temperature`): the probabilities the loss matches are
+    softmax(logits / temperature) over the draft vocabulary; 0 gives the target's argmax as a
+    one-hot row (all zero where the argmax is outside the draft vocabulary: such rows carry no
+    loss). The argmax, and so every acceptance statistic, does not depend on it.
+    """
+
+    def __init__(self, weight: torch.Tensor, t2d: torch.Tensor, temperature: float = 1.0):
         super().__init__()
+        self.temperature = temperature
         self.register_buffer("weight", weight.detach().clone(), persistent=False)  # [V, H]
         draft_ids = torch.nonzero(t2d, as_tuple=True)[0]  # [Vd] target ids, ascending = draft order
         to_draft = torch.full((t2d.shape[0],), -1, dtype=torch.int64)
@@ -103,8 +110,13 @@ class TargetHead(nn.Module):
         probs, argmax = [], []
         for rows in flat.split(chunk_tokens):  # bounds the [n, V] logits buffer
             z = _logits_fp32(rows, self.weight)  # [n, V]
-            argmax.append(self.to_draft[z.argmax(-1)])
-            probs.append(torch.softmax(z[:, self.draft_ids].float(), dim=-1))
+            draft_argmax = self.to_draft[z.argmax(-1)]  # [n], -1 outside the draft vocabulary
+            argmax.append(draft_argmax)
+            if self.temperature > 0:
+                probs.append(torch.softmax(z[:, self.draft_ids].float() / self.temperature, dim=-1))
+            else:
+                one_hot = F.one_hot(draft_argmax.clamp(min=0), self.draft_ids.numel()).float()  # [n, Vd]
+                probs.append(one_hot * (draft_argmax >= 0)[:, None])
         return TargetInfo(torch.cat(probs).view(B, T, -1), torch.cat(argmax).view(B, T))
 
 
