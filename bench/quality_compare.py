@@ -128,13 +128,15 @@ class Inputs:
         self.eval_ranges = sorted((hs / "eval").glob("rows_*"), key=lambda p: int(p.name.split("_")[1].split("-")[0]))
         from draftflow.hidden_states.storage import read_range_index
 
-        self.aux = [int(i) for i in read_range_index(self.train_ranges[0])[0]["aux_layer_ids"]]
         self.target = self.results / "target"
         self.vocab = self.results / "vocab" / "draft_vocab.safetensors"
         self.eval_data = self.results / "merged" / "eval.jsonl"
-        for p in (self.target, self.vocab, self.eval_data, *self.train_ranges[:1], *self.eval_ranges[:1]):
+        # evaluation reads the eval split only: a results folder without the train split's states
+        # (a GPU-trained drafter evaluated on a CPU, bench/README.md §6) evaluates; training needs them
+        for p in (self.target, self.vocab, self.eval_data, *(self.eval_ranges or [hs / "eval" / "rows_*"])[:1]):
             if not p.exists():
                 raise SystemExit(f"{p}: missing; run the workflow first (snakemake) or pass --results")
+        self.aux = [int(i) for i in read_range_index(self.eval_ranges[0])[0]["aux_layer_ids"]]
         self.evaluate["aux_layer_ids"] = self.aux
         size = int(self.train["draft_vocab_size"])
         if size != int(config["train"]["draft_vocab_size"]):  # a sweep point: its own draft vocabulary
@@ -149,7 +151,14 @@ class Inputs:
 # ---------------------------------------------------------------- the two trainers
 
 
+def require_train_split(inp: Inputs) -> None:
+    if not inp.train_ranges:
+        raise SystemExit(f"{inp.results / 'hidden_states' / 'train'}: no extracted train ranges; training needs them "
+                         "(run the workflow's extract stage first)")
+
+
 def train_ours(inp: Inputs, work: Path, seed: int, a) -> dict:
+    require_train_split(inp)
     out = work / "drafter"
     settings = {**inp.train, "aux_layer_ids": inp.aux, "seed": seed, "gpus": 1 if a.device == "cuda" else 0,
                 "num_workers": 0 if a.device == "cpu" else inp.train.get("num_workers", 2)}  # fmt: skip
@@ -176,6 +185,7 @@ def prepare_speculators_data(inp: Inputs, work: Path, a) -> tuple[Path, int]:
 
     data = work / "speculators_data"
     if not (data / SIDECAR).is_file():
+        require_train_split(inp)
         shutil.rmtree(data, ignore_errors=True)
         staging = work / "train_split"  # convert reads every rows_* under its input: the train split only
         shutil.rmtree(staging, ignore_errors=True)

@@ -500,7 +500,8 @@ def train_settings(method: str) -> dict:
     content, _ = split_settings("train", config["train"])
     skip = ("methods", "dflash") + (EAGLE3_TRAIN_KEYS if method == "dflash" else ())
     settings = {k: v for k, v in content.items() if k not in skip}
-    if settings.get("target_temperature") == 1.0:  # the default: params as before it could be set
+    # the default target temperature: params as before it could be set
+    if settings.get("target_temperature") == 1.0:
         del settings["target_temperature"]
     settings["aux_layer_ids"] = method_layer_ids(method)
     if method == "dflash":
