@@ -133,9 +133,11 @@ class Inputs:
         self.eval_data = self.results / "merged" / "eval.jsonl"
         # evaluation reads the eval split only: a results folder without the train split's states
         # (a GPU-trained drafter evaluated on a CPU, bench/README.md §6) evaluates; training needs them
-        for p in (self.target, self.vocab, self.eval_data, *(self.eval_ranges or [hs / "eval" / "rows_*"])[:1]):
+        for p in (self.target, self.vocab, self.eval_data):
             if not p.exists():
                 raise SystemExit(f"{p}: missing; run the workflow first (snakemake) or pass --results")
+        if not self.eval_ranges:
+            raise SystemExit(f"{hs / 'eval'}: no extracted eval ranges; run the workflow first (snakemake) or pass --results")
         self.aux = [int(i) for i in read_range_index(self.eval_ranges[0])[0]["aux_layer_ids"]]
         self.evaluate["aux_layer_ids"] = self.aux
         size = int(self.train["draft_vocab_size"])
