@@ -250,13 +250,18 @@ DFLASH_VARIANTS = {
     "l1-data": {"labels": "data"},
 }
 
-# EAGLE-3 recipe variants: what differs between the two trainers (speculators' two extra norms, its
-# norms off), what may raise greedy acceptance (the target temperature) and issue 32 item 6's remeasures, each trained by bench/quality_compare.py at the
-# first seed with the session's recipe plus these arguments (trainer first), under the label
-# `v-<name>` (its folder `<trainer>-…-v-<name>-s<seed>`, evaluated as `<trainer>-<name>-s<seed>`);
-# smollm2_call.sh's EAGLE3_VARIANTS names them
+# EAGLE-3 recipe variants: what differs between the two trainers (speculators' two extra norms and
+# frozen head, its norms off), what may raise greedy acceptance (the target temperature) and issue 32
+# item 6's remeasures, each trained by bench/quality_compare.py with the session's recipe plus these
+# arguments (trainer first), under the label `v-<name>` (its folder `<trainer>-…-v-<name>-s<seed>`,
+# evaluated as `<trainer>-<name>-s<seed>`); smollm2_call.sh's EAGLE3_VARIANTS names them
+SPECULATORS_NORMS = ["--set", "train.norm_before_fc=true", "--set", "train.norm_before_residual=true"]
 EAGLE3_VARIANTS = {
-    "norms": ["ours", "--set", "train.norm_before_fc=true", "--set", "train.norm_before_residual=true"],
+    "norms": ["ours", *SPECULATORS_NORMS],
+    # the draft head kept at the target's rows (train.freeze_lm_head), alone and with the norms:
+    # speculators' recipe in our trainer
+    "frozen-head": ["ours", "--set", "train.freeze_lm_head=true"],
+    "spec-recipe": ["ours", "--set", "train.freeze_lm_head=true", *SPECULATORS_NORMS],
     "nbfc": ["ours", "--set", "train.norm_before_fc=true"],
     "lk": ["ours", "--set", "train.loss=lk"],
     "no-norm-output": ["ours", "--set", "train.norm_output=false"],

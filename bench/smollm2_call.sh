@@ -15,7 +15,8 @@
 #          also trains those DFlash recipes (bench/smollm2.py DFLASH_VARIANTS) at the first seed, and
 #          EAGLE3_VARIANTS="norms arch …" those EAGLE-3 recipes (bench/smollm2.py EAGLE3_VARIANTS: ours
 #          with speculators' norms, speculators without them, …), evaluated as <trainer>-<variant>-s<seed>;
-#          SPEC_SEEDS (default SEEDS): speculators' seeds, where a session trains others than ours'
+#          SPEC_SEEDS (default SEEDS): speculators' seeds, where a session trains others than ours';
+#          VARIANT_SEEDS (default: the first of SEEDS): the seeds of ours' EAGLE3_VARIANTS
 #   eval   every drafter `draftflow evaluate`d on the GPU: real τ at K 3/5/7, T 0 and 1, on MT-bench
 #          (both turns), GSM8K and HumanEval; simulated τ; prompt lookup. At most JOBS at a time.
 #   all    data (skipped when RESUME=1 finds it done), train, and evaluate each drafter as soon as it
@@ -202,10 +203,12 @@ if [ "$mode" = train ] || [ "$mode" = datatrain ] || [ "$mode" = all ]; then
         pids+=("$(qc ours "$first" "$variant" --dflash "$(python3 bench/smollm2.py dflash-variant "$variant")")")
     done
     # EAGLE3_VARIANTS (bench/smollm2.py EAGLE3_VARIANTS): the session's recipe plus a variant's arguments,
-    # at the first seed (speculators': of SPEC_SEEDS); ours' start now, speculators' with its other seeds below
+    # ours' at each of VARIANT_SEEDS (default: the first seed), started now; speculators' at the first of
+    # SPEC_SEEDS, with its other seeds below
     for variant in ${EAGLE3_VARIANTS:-}; do
         read -r trainer args <<< "$(python3 bench/smollm2.py eagle3-variant "$variant")"
-        [ "$trainer" = ours ] && pids+=("$(qc ours "$first" "v-$variant" $args)")
+        [ "$trainer" = ours ] || continue
+        for seed in ${VARIANT_SEEDS:-$first}; do pids+=("$(qc ours "$seed" "v-$variant" $args)"); done
     done
     spec_first=${SPEC_SEEDS%% *}
     trains speculators && pids+=("$(qc speculators "$spec_first")")

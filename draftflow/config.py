@@ -316,6 +316,11 @@ OPERATIONAL_KEYS: dict[str, frozenset[str]] = {
     }),
 }  # fmt: skip
 
+# EAGLE-3 train keys added after runs existed, with their defaults: at the default a key is left
+# out of the train rule's params and of the resume fingerprint, so earlier runs neither rerun nor
+# refuse to resume.
+TRAIN_KEYS_ADDED_LATER: dict[str, object] = {"target_temperature": 1.0, "freeze_lm_head": False}
+
 # Sub-sections a section's split descends into (every other value is a leaf).
 _NESTED = {"extract": ("sglang", "vllm"), "regenerate": ("openai",), "evaluate": ("server",)}
 

@@ -17,6 +17,7 @@ from draftflow.config import (
     enabled_datasets,
     split_settings,
     validate_config,
+    TRAIN_KEYS_ADDED_LATER,
 )
 
 try:
@@ -486,6 +487,7 @@ EAGLE3_TRAIN_KEYS = (
     "step_weight_decay",
     "loss",
     "target_temperature",
+    "freeze_lm_head",
     "norm_before_fc",
     "norm_before_residual",
     "norm_output",
@@ -500,9 +502,10 @@ def train_settings(method: str) -> dict:
     content, _ = split_settings("train", config["train"])
     skip = ("methods", "dflash") + (EAGLE3_TRAIN_KEYS if method == "dflash" else ())
     settings = {k: v for k, v in content.items() if k not in skip}
-    # the default target temperature: params as before it could be set
-    if settings.get("target_temperature") == 1.0:
-        del settings["target_temperature"]
+    # keys added later, at their defaults: params as before they could be set
+    for key, default in TRAIN_KEYS_ADDED_LATER.items():
+        if settings.get(key) == default:
+            del settings[key]
     settings["aux_layer_ids"] = method_layer_ids(method)
     if method == "dflash":
         settings["method"] = method

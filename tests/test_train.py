@@ -201,6 +201,27 @@ def test_the_training_head_matches_the_configured_temperature(world):
     assert torch.equal(target.probs.argmax(-1)[in_vocab], target.argmax[in_vocab])
 
 
+def test_freeze_lm_head_keeps_the_target_rows_and_trains_the_rest(world, tmp_path):
+    """train.freeze_lm_head (speculators' recipe): the optimizer never moves the head, which the
+    saved drafter still holds as the target's rows of the draft vocabulary; the rest trains."""
+    from draftflow.drafters.vocab import load_vocab
+
+    assert "freeze_lm_head" not in TrainSettings.from_dict(settings()).fingerprint_dict()  # resume state as before
+    frozen = TrainSettings.from_dict(settings(freeze_lm_head=True))
+    assert frozen.fingerprint_dict()["freeze_lm_head"] is True
+    with pytest.raises(DraftflowError, match="freeze_lm_head apply to EAGLE-3 only"):
+        TrainSettings.from_dict(settings(method="dflash", dflash={}, freeze_lm_head=True))
+
+    initial, _, _ = build_drafter(frozen, world["target"], load_vocab(world["vocab"]))
+    run_inprocess(world, tmp_path / "out", tmp_path / "state", {"freeze_lm_head": True})
+    state, latest = final_state(tmp_path / "state")  # float32, where the saved drafter is rounded to bf16
+    assert latest["step"] >= 3
+    assert torch.equal(state["lm_head.weight"], initial.lm_head.weight)  # the target's rows, bit for bit
+    assert not torch.equal(state["fc.weight"], initial.fc.weight)
+    saved, _ = load_drafter(tmp_path / "out")
+    assert torch.equal(saved.lm_head.weight, initial.lm_head.weight.to(torch.bfloat16).float())
+
+
 def test_ttt_attention_setting_is_validated():
     s = TrainSettings.from_dict(settings())
     assert s.ttt_attention == "auto" and "ttt_attention" not in s.fingerprint_dict()  # speed only: no rerun

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from draftflow.config import OPERATIONAL_KEYS
+from draftflow.config import OPERATIONAL_KEYS, TRAIN_KEYS_ADDED_LATER
 from draftflow.drafters.batching import AnchorPlan, Batch, SampleDataset, collate_rows, reader_layers
 from draftflow.drafters.checkpoint import load_target_tensors, save_drafter, target_config
 from draftflow.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashSettings, loss_decay
@@ -90,6 +90,8 @@ class TrainSettings:
     loss: str = "soft_ce"  # a name of drafters.losses.LOSSES
     # the temperature of the target distribution the loss matches (ttt.TargetHead); 0: its argmax alone
     target_temperature: float = 1.0
+    # keep the draft LM head at the target's rows (speculators' recipe) instead of training it
+    freeze_lm_head: bool = False
     # speculators' EAGLE-3 recipe norms (drafters.eagle3.VARIANT_FLAGS); all off = SGLang's layout
     norm_before_fc: bool = False
     norm_before_residual: bool = False
@@ -131,7 +133,7 @@ class TrainSettings:
         s = cls(**values)
         if s.method == "dflash":
             DFlashSettings.from_dict(s.dflash)  # refuses unknown or invalid keys now, not mid-run
-            eagle_only = [k for k in (*VARIANT_FLAGS, "loss", "batching", "target_temperature")
+            eagle_only = [k for k in (*VARIANT_FLAGS, "loss", "batching", "target_temperature", "freeze_lm_head")
                           if getattr(s, k) != known[k].default]
             if eagle_only:
                 raise DraftflowError(
@@ -174,8 +176,9 @@ class TrainSettings:
         out = {k: v for k, v in dataclasses.asdict(self).items() if k not in OPERATIONAL | PLACEMENT | {"batching"}}
         if self.method == "eagle3":  # as before methods existed: EAGLE-3 resume state stays valid
             out.pop("method"), out.pop("dflash")
-        if self.target_temperature == 1.0:  # as before it could be set: resume state stays valid
-            out.pop("target_temperature")
+        for key, default in TRAIN_KEYS_ADDED_LATER.items():  # at their defaults: resume state as before
+            if out[key] == default:
+                out.pop(key)
         return out
 
     @property
@@ -352,6 +355,8 @@ def build_drafter(
     target_ids = torch.from_numpy(vocab.target_ids)
     with torch.no_grad():  # start from the target's head rows: logits begin in the right space
         drafter.lm_head.weight.copy_(tensors["lm_head"][target_ids].float())
+    # frozen, the head stays the target's rows: make_optimizer and DDP skip it, export still writes it
+    drafter.lm_head.weight.requires_grad_(not s.freeze_lm_head)
     drafter.set_vocab(torch.from_numpy(vocab.d2t), torch.from_numpy(vocab.t2d))
     return drafter, TargetHead(tensors["lm_head"], torch.from_numpy(vocab.t2d), s.target_temperature), cfg
 
