@@ -11,7 +11,8 @@
 #          REGENERATED=FILE: train on conversations an earlier call regenerated (no regenerate stage).
 #   train  on the warm machine's data: our EAGLE-3 and speculators 0.9's at seeds SEEDS (one process
 #          each, side by side), and the workflow's DFlash. TRAINERS picks among them (default
-#          "ours speculators dflash"; NO_SPECULATORS=1 drops speculators); DFLASH_VARIANTS="l5-dpace …"
+#          "ours speculators dflash"; NO_SPECULATORS=1 drops speculators; TRAINERS=none trains only the
+#          variants below); DFLASH_VARIANTS="l5-dpace …"
 #          also trains those DFlash recipes (bench/smollm2.py DFLASH_VARIANTS) at the first seed, and
 #          EAGLE3_VARIANTS="norms arch …" those EAGLE-3 recipes (bench/smollm2.py EAGLE3_VARIANTS: ours
 #          with speculators' norms, speculators without them, …), evaluated as <trainer>-<variant>-s<seed>;
