@@ -307,12 +307,14 @@ def reuse_trained(work: Path, trainer: str) -> dict:
 
 
 def evaluate(inp: Inputs, drafter: Path, out: Path, a, state_dir: Path | None = None) -> dict:
-    """`draftflow evaluate` of one drafter; state_dir keeps each finished (prompt set, temperature)."""
+    """`draftflow evaluate` of one drafter; state_dir keeps each finished (prompt set, temperature).
+    a.real_only (bench/real_target.py evaluate --real-only): no eval ranges, so no simulated τ."""
     resume = ["--state-dir", str(state_dir)] if state_dir else []
+    simulate = [] if getattr(a, "real_only", False) else ["--eval-ranges", *map(str, inp.eval_ranges)]
     run(
         draftflow_cmd(
             "--threads", str(a.threads), "evaluate", "--drafter", str(drafter), "--target", str(inp.target),
-            "--eval-ranges", *map(str, inp.eval_ranges), "--eval-data", str(inp.eval_data),
+            *simulate, "--eval-data", str(inp.eval_data),
             "--settings", json.dumps(inp.evaluate), "--output-dir", str(out), *resume,
         ),
         out / "evaluate.log", child_env(a.threads),

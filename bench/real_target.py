@@ -519,7 +519,7 @@ def evaluate_drafter(a) -> None:
     import quality_compare as qc
 
     ns = argparse.Namespace(results=a.results, config=a.config, set=a.set, temperatures=[a.temperature],
-                            device=a.device, work=a.out.parent, threads=a.threads)  # fmt: skip
+                            device=a.device, work=a.out.parent, threads=a.threads, real_only=a.real_only)  # fmt: skip
     inp = qc.Inputs(ns)
     if a.prompt_set:  # one prompt set per process: the call's evaluations split finer
         sets = inp.evaluate["prompt_sets"]
@@ -606,6 +606,8 @@ def main(argv=None) -> int:
     e.add_argument("--threads", type=int, default=2)
     e.add_argument("--set", action="append", default=[], metavar="evaluate.KEY=JSON")
     e.add_argument("--prompt-set", help="measure this prompt set of the config only")
+    e.add_argument("--real-only", action="store_true",
+                   help="skip the simulated τ over the eval split (5-9 minutes a job on 2 CPU cores): real τ only")
     t = sub.add_parser("table")
     t.add_argument("acceptance", nargs="+", metavar="LABEL=acceptance.json")
     a = p.parse_args(argv)
