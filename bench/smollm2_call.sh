@@ -152,7 +152,7 @@ elif [ "$mode" = data ] || [ "$mode" = datatrain ] || [ "$mode" = all ]; then
     cat "$S"/gguf.part.* > "$S/model.gguf"
     sha=$(sha256sum "$S/model.gguf" | cut -d' ' -f1)
     [ "$sha" = "$GGUF_SHA" ] || { note "GGUF sha256 $sha, expected $GGUF_SHA"; exit 1; }
-    python3 -m draftflow.cli --threads 8 real-model --gguf "$S/model.gguf" --model-only --output "$W/real" \
+    python3 -m draftflow.cli --threads "$(( ${CORES:-16} < 8 ? ${CORES:-16} : 8 ))" real-model --gguf "$S/model.gguf" --model-only --output "$W/real" \
         > "$W/logs-convert.txt" 2>&1 || { note "conversion failed"; tail -20 "$W/logs-convert.txt"; exit 1; }
     note "converted: $(tail -c 300 "$W/logs-convert.txt" | tr '\n' ' ')"
     python3 bench/smollm2.py configs --work "$W" --model "$W/real/smollm2-135m-instruct" --data "$S/data" \
