@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, copy_workflow, load_default_config, write_config
+from draftflow.drafters.launch import first_host
+from test_launch import HOSTLISTS
 
 SETUP = REPO / "scripts" / "slurm" / "setup_local_slurm.sh"
 # setup_local_slurm.sh exit codes that mean "SLURM cannot be installed on this host".
@@ -280,6 +282,15 @@ def test_default_pipeline_on_slurm(slurm_cluster, tmp_path: Path):
         assert tres(job["AllocTRES"]).get("gres/gpu") == "1", job
     for job in others:  # CPU stages ask for no GPU
         assert "gres/gpu" not in tres(job["ReqTRES"]), job
+
+
+@pytest.mark.slurm
+def test_first_host_agrees_with_scontrol(slurm_cluster):
+    """draftflow's node-list parser (the rendezvous host of a multi-node launch) against
+    `scontrol show hostnames`, here where the fixture has installed SLURM's client tools."""
+    for nodelist in HOSTLISTS:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+        assert first_host(nodelist) == out.stdout.split()[0], nodelist
 
 
 @pytest.mark.slurm
