@@ -83,7 +83,9 @@ stash() {
 collect() {
     python3 bench/smollm2.py collect --work "$W" --out "$OUT" || note "collect failed"
     # the logs' tails in one file: a call returns at most 8 files
-    local tails; tails=$(mktemp -d)
+    # inside a folder of its own, `logs/`: an archive of `.` would carry mktemp's mode 700 onto whatever
+    # folder it is unpacked in (unpacked into /tmp as root, it locked apt's sandbox user out of /tmp)
+    local tails; tails=$(mktemp -d)/logs && mkdir -p "$tails"
     for f in "$W"/logs-*.txt "$W"/qc-*.log "$W"/eval-*.log; do [ -e "$f" ] && tail -c 20000 "$f" > "$tails/$(basename "$f")"; done
     # each trainer's own log (speculators: its steps and epochs so far, for a call killed mid-training)
     for f in "$W"/qc/*/train.log; do [ -e "$f" ] && tail -c 8000 "$f" > "$tails/train-$(basename "$(dirname "$f")").log"; done
@@ -91,7 +93,7 @@ collect() {
     for f in "$W"/results/logs/extract/*/*.log; do
         [ -e "$f" ] && tail -c 4000 "$f" > "$tails/extract-$(basename "$(dirname "$f")")-$(basename "$f")"
     done
-    tar -czf "$OUT/logs.tar.gz" -C "$tails" . && rm -rf "$tails"
+    tar -czf "$OUT/logs.tar.gz" -C "$(dirname "$tails")" logs && rm -rf "$(dirname "$tails")"
     # RETURN_DRAFTER=<label>: that trained drafter comes back too, in 15 MiB pieces (a returned file's
     # limit is 16 MiB; join with cat): for CPU work on a GPU-trained drafter
     for label in ${RETURN_DRAFTER:-}; do
