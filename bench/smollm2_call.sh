@@ -13,7 +13,8 @@
 #          each, side by side), and the workflow's DFlash. TRAINERS picks among them (default
 #          "ours speculators dflash"; NO_SPECULATORS=1 drops speculators; TRAINERS=none trains only the
 #          variants below); DFLASH_VARIANTS="l5-dpace …"
-#          also trains those DFlash recipes (bench/smollm2.py DFLASH_VARIANTS) at the first seed, and
+#          also trains those DFlash recipes (bench/smollm2.py DFLASH_VARIANTS) at the first seed, all at
+#          once (on an 80 GB card at most one 5-layer DFlash, ~31 GiB, beside two 1-layer ones, ~8 GiB), and
 #          EAGLE3_VARIANTS="norms arch …" those EAGLE-3 recipes (bench/smollm2.py EAGLE3_VARIANTS: ours
 #          with speculators' norms, speculators without them, …), evaluated as <trainer>-<variant>-s<seed>;
 #          SPEC_SEEDS (default SEEDS): speculators' seeds, where a session trains others than ours';
