@@ -252,6 +252,10 @@ DFLASH_VARIANTS = {
     "l5-dpace": {**_L1_DECAY, "num_hidden_layers": 5, "loss_weighting": "dpace"},
     "l1-b8": {**_L1_DECAY, "block_size": 8},
     "l1-data": {**_L1_DECAY, "labels": "data"},
+    # the target's whole distribution (train.dflash.labels: soft), as EAGLE-3 trains: its argmax alone
+    # cost EAGLE-3 0.07 of simulated τ on this model (`t0`), and DFlash trains on the argmax
+    "l1-soft": {**_L1_DECAY, "loss_weighting": "dpace", "labels": "soft"},
+    "l5-soft": {**_L1_DECAY, "num_hidden_layers": 5, "loss_weighting": "dpace", "labels": "soft"},
 }
 
 # EAGLE-3 recipe variants: what differs between the two trainers (speculators' two extra norms and

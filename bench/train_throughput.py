@@ -102,6 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dflash-layers", type=int, help="DFlash draft layers (default 5; tiny 2)")
     p.add_argument("--block-size", type=int, help="DFlash block size (default 16; tiny 8)")
     p.add_argument("--anchors", type=int, help="DFlash anchors per sample (default 512; tiny 32)")
+    p.add_argument("--dflash-labels", choices=["target", "soft"], default="target",
+                   help="train.dflash.labels: the target's greedy token, or its whole distribution (soft: "
+                        "the target's logits recomputed per chunk, the eager chunk passes)")
     p.add_argument("--draft-vocab", type=int, help="default 32000; tiny 256")
     p.add_argument("--workers", type=int, default=8, help="DataLoader worker processes")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="train.compile (auto: on CUDA)")
@@ -196,7 +199,7 @@ def build_dflash(a, shape: dict, device, dtype):
     V, H = cfg.vocab_size, cfg.hidden_size
     head_weight = torch.randn(V, H, dtype=dtype) * 0.02
     drafter.set_target(torch.randn(V, H, dtype=dtype) * 0.02, head_weight)
-    head = ArgmaxHead(head_weight).to(device)
+    head = ArgmaxHead(head_weight, keep_final=a.dflash_labels == "soft").to(device)
     return cfg, drafter, head
 
 
@@ -271,7 +274,7 @@ def main(argv=None) -> None:
                       "anchors_per_sample": a.anchors}  # fmt: skip
             s = TrainSettings(aux_layer_ids=aux_ids, batch_tokens=a.batch_tokens, num_workers=a.workers,
                               method="dflash", dflash=dflash)  # fmt: skip
-            objective = DFlashObjective(drafter, loss_decay(7.0), compile=compiled, fused_ce=fused_ce)
+            objective = DFlashObjective(drafter, loss_decay(7.0), a.dflash_labels, compile=compiled, fused_ce=fused_ce)
         else:
             torch.manual_seed(0)
             drafter = Eagle3Drafter(cfg)
@@ -374,14 +377,14 @@ def main(argv=None) -> None:
         "device": name,
         "torch": torch.__version__,
         "shape": "tiny" if a.tiny else "llama-3.1-8b",
-        "method": a.method,
+        "method": a.method, "dflash_labels": a.dflash_labels if a.method == "dflash" else None,
         "hidden_size": H, "target_vocab": V,
         **({"draft_layers": a.dflash_layers, "block_size": a.block_size, "anchors_per_sample": a.anchors,
             "target_layer_ids": list(aux_ids), "draft_vocab": V} if a.method == "dflash" else
            {"draft_vocab": a.draft_vocab, "ttt_steps": a.ttt_steps, "ttt_attention": a.ttt_attention}),
         "seq_len": a.seq_len, "lengths": a.lengths, "mean_length": round(float(np.mean(lengths)), 1),
         "batching": "packed" if packed else "padded", "batch_tokens": a.batch_tokens, "workers": a.workers,
-        "compile": compiled, "fused_ce": fused_ce, "steps": a.steps,
+        "compile": compiled, "fused_ce": fused_ce and a.dflash_labels != "soft", "steps": a.steps,
         "tokens_per_s": round(tokens_per_s, 1),
         "tokens_per_s_compute_only": round(resident_tokens / compute_s, 1),
         "step_s": round(e2e_s, 4),

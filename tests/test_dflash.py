@@ -212,7 +212,8 @@ def test_linear_cross_entropy_equals_full_logits_cross_entropy(passes):
     weight = torch.randn(50, 16, generator=g, dtype=torch.float64)
     labels = torch.randint(0, 50, (37,), generator=g)
     scale = torch.rand(37, generator=g, dtype=torch.float64)
-    ce, pred = LinearCrossEntropy.apply(hidden, weight, labels, 8, fused)  # 5 chunks
+    ce, pred, label_ce = LinearCrossEntropy.apply(hidden, weight, labels, 8, fused)  # 5 chunks
+    assert torch.equal(label_ce, ce.detach())  # hard labels: the label's CE is the CE
     (ce * scale).sum().backward()
     grad = hidden.grad.clone()
     hidden.grad = None
@@ -222,6 +223,79 @@ def test_linear_cross_entropy_equals_full_logits_cross_entropy(passes):
     torch.testing.assert_close(ce, reference)
     torch.testing.assert_close(grad, hidden.grad)
     assert torch.equal(pred, logits.argmax(-1))
+
+
+def test_soft_linear_cross_entropy_equals_full_logits_cross_entropy_against_the_target():
+    """labels "soft": the CE against softmax(target_rows @ weight.T), in chunks both ways, equals
+    -Σ p log softmax(z) from full logits with its gradient; the third output is the hard CE of the
+    target's greedy token (D-PACE's confidence), and the argmax is the drafter's."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    target_rows = torch.randn(37, 16, generator=g, dtype=torch.float64)
+    weight = torch.randn(50, 16, generator=g, dtype=torch.float64)
+    target_logits = target_rows @ weight.T
+    greedy = target_logits.argmax(-1)
+    scale = torch.rand(37, generator=g, dtype=torch.float64)
+    ce, pred, label_ce = LinearCrossEntropy.apply(hidden, weight, greedy, 8, None, target_rows)  # 5 chunks
+    (ce * scale).sum().backward()
+    grad = hidden.grad.clone()
+    hidden.grad = None
+    logits = hidden @ weight.T
+    reference = -(torch.softmax(target_logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    (reference * scale).sum().backward()
+    torch.testing.assert_close(ce, reference)
+    torch.testing.assert_close(grad, hidden.grad)
+    torch.testing.assert_close(label_ce, F.cross_entropy(logits.detach(), greedy, reduction="none"))
+    assert torch.equal(pred, logits.argmax(-1))
+    assert not torch.allclose(ce, label_ce)  # the soft CE is not the argmax's
+    with pytest.raises(ValueError, match="soft labels run the eager chunk passes"):
+        LinearCrossEntropy.apply(hidden, weight, greedy, 8, FusedChunks(ce_chunk_stats, ce_chunk_grad), target_rows)
+
+
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_soft_label_objective_is_the_cross_entropy_against_the_target_s_distribution(trained, weighting):
+    """The objective with labels "soft" on a target's real final states: its loss and gradients
+    equal a full-logits reference, row k against softmax(z_{a+k-1}) through the shared head;
+    D-PACE's weights from the drafter's confidence in the greedy token; statistics unchanged."""
+    from draftflow.drafters.dflash_loss import ArgmaxHead, block_label_positions, label_weights
+
+    model, drafter, (ids, mask, aux, greedy) = trained["model"], trained["drafter"], trained["data"]
+    with torch.no_grad():
+        final = model.model.norm(model(ids, output_hidden_states=True).hidden_states[-1])  # post-norm [B, T, H]
+    head = ArgmaxHead(drafter.lm_head.weight, keep_final=True)
+    target = head(final)
+    assert target.probs is final and torch.equal(target.argmax, greedy)
+    anchors = pad_anchors([choose_anchors(m.numpy(), 6, None) for m in mask])
+    objective = DFlashObjective(drafter, decay=0.8, labels="soft", weighting=weighting, ce_chunk=7)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    loss, stats = objective(ids, mask, aux, target.probs, target.argmax, None, anchors)
+    grads = torch.autograd.grad(loss, params)
+    _, hard_stats = DFlashObjective(drafter, decay=0.8, weighting=weighting)(ids, mask, aux, None, greedy, None, anchors)
+    torch.testing.assert_close(stats[1:], hard_stats[1:])  # tokens, hits and chains: against the greedy token
+
+    labelled = label_weights(mask, anchors, BLOCK)  # [B, n, K]
+    pos, _ = block_label_positions(anchors, BLOCK, ids.shape[1])
+    n = anchors.shape[1]
+    state = torch.gather(final[:, None].expand(-1, n, -1, -1), 2,
+                         (pos - 1).clamp(min=0)[..., None].expand(-1, -1, -1, final.shape[-1]))  # [B, n, K, H]
+    p = torch.softmax(state @ drafter.lm_head.weight.T, -1)
+    log_q = torch.log_softmax(objective.block_hidden(ids, aux, anchors) @ drafter.lm_head.weight.T, -1)
+    ce = -(p * log_q).sum(-1) * labelled  # [B, n, K]
+    if weighting == "decay":
+        per_row = ce.sum(dim=(0, 1)) / labelled.sum(dim=(0, 1)).clamp(min=1)
+        reference = (0.8 ** torch.arange(BLOCK - 1, dtype=ce.dtype) * per_row).sum()
+    else:
+        labels = torch.gather(greedy[:, None, :].expand(-1, n, -1), 2, (pos - 1).clamp(min=0))
+        greedy_ce = -log_q.gather(-1, labels[..., None])[..., 0].detach()
+        s = torch.where(labelled, 0.5 * torch.exp(-greedy_ce) + 0.5, torch.ones_like(ce))
+        W = torch.stack([sum(labelled[..., j] * s[..., : j + 1].prod(-1) for j in range(k, BLOCK - 1))
+                         for k in range(BLOCK - 1)], dim=-1) * labelled  # fmt: skip
+        reference = (W * ce).sum() / labelled.sum()
+    torch.testing.assert_close(loss, reference)
+    for got, want in zip(grads, torch.autograd.grad(reference, params)):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="soft labels need the target's final states"):
+        objective(ids, mask, aux, None, greedy, None, anchors)
 
 
 @pytest.mark.slow
@@ -307,6 +381,9 @@ def test_dpace_settings_are_checked():
         DFlashSettings.from_dict({"loss_weighting": "dpace", "dpace_alpha": 0.0})
     with pytest.raises(DraftflowError, match="train.dflash.loss_weighting must be decay or dpace, got 'pace'"):
         DFlashSettings.from_dict({"loss_weighting": "pace"})
+    assert DFlashSettings.from_dict({"labels": "soft"}).labels == "soft"
+    with pytest.raises(DraftflowError, match="train.dflash.labels must be target, data or soft, got 'kl'"):
+        DFlashSettings.from_dict({"labels": "kl"})
 
 
 def test_anchors_are_loss_positions_with_a_label_after_them():
@@ -556,13 +633,13 @@ def dflash_settings(**kw) -> dict:
     return base
 
 
-@pytest.mark.parametrize("weighting", ["decay", "dpace"])
-def test_dflash_trains_from_ranges_storing_more_layers(world, tmp_path, weighting):
+@pytest.mark.parametrize("weighting, labels", [("decay", "target"), ("dpace", "target"), ("dpace", "soft")])
+def test_dflash_trains_from_ranges_storing_more_layers(world, tmp_path, weighting, labels):
     from draftflow.drafters.checkpoint import load_drafter
     from draftflow.drafters.train import TrainInputs, TrainSettings, run_training
 
     settings = dflash_settings(epochs=2)
-    settings["dflash"]["loss_weighting"] = weighting
+    settings["dflash"].update(loss_weighting=weighting, labels=labels)
     s = TrainSettings.from_dict(settings)
     assert s.dflash_settings.loss_weighting == weighting
     inputs = TrainInputs(world["train"], world["eval"], world["target"], None, tmp_path / "state", tmp_path / "out")
@@ -573,6 +650,7 @@ def test_dflash_trains_from_ranges_storing_more_layers(world, tmp_path, weightin
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["dflash_config"] == {"block_size": 4, "target_layer_ids": [1, 2], "mask_token_id": 127}
     assert config["draftflow"]["loss_weighting"] == weighting  # how it was trained, in its record
+    assert config["draftflow"]["labels"] == labels
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
     assert train[-1]["loss"] < train[0]["loss"]

@@ -240,8 +240,8 @@ class DFlashSettings:
             raise DraftflowError("train.dflash.num_hidden_layers and anchors_per_sample must be >= 1")
         if s.loss_decay_gamma <= 0:
             raise DraftflowError("train.dflash.loss_decay_gamma must be > 0")
-        if s.labels not in ("target", "data"):
-            raise DraftflowError(f"train.dflash.labels must be target or data, got {s.labels!r}")
+        if s.labels not in ("target", "data", "soft"):
+            raise DraftflowError(f"train.dflash.labels must be target, data or soft, got {s.labels!r}")
         if s.loss_weighting not in ("decay", "dpace"):
             raise DraftflowError(f"train.dflash.loss_weighting must be decay or dpace, got {s.loss_weighting!r}")
         if not 0.0 < s.dpace_alpha <= 1.0:

@@ -11,7 +11,9 @@ Notation: tokens x_0 .. x_{T-1}, loss mask m_t, the target's greedy token g_{t+1
   the rows t < a (`dflash.AnchoredBlocks`).
 * Label of block row k = 1 .. B-1: g_{a+k} (labels "target", what speculators' DFlash trainer
   uses: the target's own greedy token, from the stored final states) or x_{a+k} (labels "data",
-  SpecForge and the paper, whose data the target itself generated).
+  SpecForge and the paper, whose data the target itself generated), or the target's whole
+  distribution softmax(z_{a+k-1}) (labels "soft": the cross-entropy against it, as our EAGLE-3
+  trains; its logits recomputed per chunk from the stored final states and the shared LM head).
 * Weight: m_{a+k} for a+k < T. The loss is Σ_k γ_k · (Σ_blocks m · CE_k) / N_k with
   γ_k = exp(-(k-1)/γ) (the paper's decay; SpecForge suggests γ = 7 for B = 16) and N_k the label
   count of row k over the global batch (`block_label_counts`), as the EAGLE-3 objective
@@ -19,7 +21,8 @@ Notation: tokens x_0 .. x_{T-1}, loss mask m_t, the target's greedy token g_{t+1
   balance (N_k hardly varies with k), a different overall scale.
 * Weighting "dpace" instead (speculators' DFlash default, `dpace_weights`): row k of a block
   weighs W_k = Σ_{j>=k, m_j} Π_{i<=j} s_i with s_i = (1 - α) q_i + α (s_i = 1 without a label),
-  q_i = exp(-CE_i) the drafter's current probability of the label, held constant (no gradient).
+  q_i = exp(-CE_i) the drafter's current probability of the label (with soft labels, of the
+  target's greedy token: what verification accepts), held constant (no gradient).
   With s_i = q_i, W_k = ∂E[accepted] / ∂log q_k: each row weighs what its improvement adds to the
   expected acceptance of its block. The loss is Σ W · CE / Σ_k N_k.
 * Statistics per row k, in the rows of `ttt.STAT_ROWS` so `ttt.summarize` reads them: row k is
@@ -43,7 +46,7 @@ from torch import nn
 from draftflow.drafters.dflash import AnchoredBlocks, DFlashDrafter
 from draftflow.drafters.ttt import STAT_ROWS, TargetInfo, _logits_fp32
 
-LABELS = ("target", "data")
+LABELS = ("target", "data", "soft")
 WEIGHTINGS = ("decay", "dpace")
 
 
@@ -113,18 +116,24 @@ def _logits(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class ArgmaxHead(nn.Module):
-    """The target's frozen LM head on stored final states: only its greedy token (full vocab)."""
+    """The target's frozen LM head on stored final states: only its greedy token (full vocab).
 
-    def __init__(self, weight: torch.Tensor):
+    keep_final (labels "soft"): TargetInfo's first field carries the final states themselves
+    [B, T, H] instead of probabilities; the objective recomputes the target's logits for its
+    labelled rows only, chunk by chunk, rather than holding [B, T, V] (V = 49,152 for SmolLM2:
+    200 MB of float32 for one 1,024-token sample)."""
+
+    def __init__(self, weight: torch.Tensor, keep_final: bool = False):
         super().__init__()
         self.register_buffer("weight", weight.detach().clone(), persistent=False)  # [V, H]
+        self.keep_final = keep_final
 
     @torch.no_grad()
     def forward(self, final: torch.Tensor, chunk_tokens: int = 4096) -> TargetInfo:
         B, T, H = final.shape
         rows = final.reshape(B * T, H).split(chunk_tokens)
         argmax = torch.cat([_logits(r, self.weight).argmax(-1) for r in rows]).view(B, T)
-        return TargetInfo(final.new_zeros(B, T, 0), argmax)  # no probabilities: hard labels
+        return TargetInfo(final if self.keep_final else final.new_zeros(B, T, 0), argmax)
 
 
 def ce_chunk_stats(z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -132,6 +141,16 @@ def ce_chunk_stats(z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torc
     cross-entropy [c], argmax [c])."""
     lse = torch.logsumexp(z, dim=-1)
     return lse, lse - z.gather(1, y[:, None])[:, 0], z.argmax(-1)
+
+
+def soft_ce_chunk_stats(z: torch.Tensor, z_target: torch.Tensor, y: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One chunk's forward against the target's distribution: drafter logits z and target logits
+    z_target [c, V], the target's greedy tokens y [c] -> (log-sum-exp [c], soft cross-entropy
+    -Σ p log softmax(z) [c], argmax [c], hard cross-entropy of y [c]: D-PACE's confidence)."""
+    lse = torch.logsumexp(z, dim=-1)
+    p = torch.softmax(z_target, dim=-1)
+    return lse, lse - (p * z).sum(-1), z.argmax(-1), lse - z.gather(1, y[:, None])[:, 0]
 
 
 def ce_chunk_grad(z: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, grad_ce: torch.Tensor,
@@ -158,29 +177,43 @@ class FusedChunks:
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """(CE [R], argmax [R]) of logits = hidden @ weight.T against labels, in chunks of rows,
-    without keeping [R, V] logits: backward recomputes each chunk's logits. `weight` is frozen.
-    `fused`: the per-chunk passes as `FusedChunks` (None: eager, in place)."""
+    """(CE [R], argmax [R], label CE [R]) of logits = hidden @ weight.T against labels, in chunks
+    of rows, without keeping [R, V] logits: backward recomputes each chunk's logits. `weight` is
+    frozen. `fused`: the per-chunk passes as `FusedChunks` (None: eager, in place).
+    `target_rows` [R, H] (soft labels): the CE is against softmax(target_rows @ weight.T), the
+    target's distribution through the same frozen head, recomputed per chunk both ways; the
+    labels (the target's greedy tokens) then only give the argmax's hard CE, the third output
+    (without target_rows it is the CE itself), never differentiated."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
-                fused: FusedChunks | None = None):  # fmt: skip
+                fused: FusedChunks | None = None, target_rows: torch.Tensor | None = None):  # fmt: skip
+        if target_rows is not None and fused is not None:
+            raise ValueError("soft labels run the eager chunk passes (fused=None)")
         stats = fused.stats if fused is not None else ce_chunk_stats
-        ces, preds, lses = [], [], []
-        for h, y in zip(hidden.split(chunk), labels.split(chunk)):
-            lse, ce, pred = stats(_logits(h, weight), y)  # logits [c, V] fp32 (or float64)
+        ces, preds, lses, label_ces = [], [], [], []
+        for i, (h, y) in enumerate(zip(hidden.split(chunk), labels.split(chunk))):
+            z = _logits(h, weight)  # logits [c, V] fp32 (or float64)
+            if target_rows is None:
+                lse, ce, pred = stats(z, y)
+                label_ce = ce
+            else:
+                lse, ce, pred, label_ce = soft_ce_chunk_stats(z, _logits(target_rows[i * chunk:(i + 1) * chunk], weight), y)
             ces.append(ce)
             preds.append(pred)
             lses.append(lse)
-        ctx.save_for_backward(hidden, weight, labels, torch.cat(lses) if lses else hidden.new_zeros(0))
-        ctx.chunk, ctx.fused = chunk, fused
+            label_ces.append(label_ce.detach())
+        lse = torch.cat(lses) if lses else hidden.new_zeros(0)
+        ctx.save_for_backward(hidden, weight, labels, lse, target_rows if target_rows is not None else lse.new_zeros(0))
+        ctx.chunk, ctx.fused, ctx.soft = chunk, fused, target_rows is not None
         pred = torch.cat(preds) if preds else labels.new_zeros(0)
-        ctx.mark_non_differentiable(pred)
-        return (torch.cat(ces) if ces else hidden.new_zeros(0, dtype=torch.float32)), pred
+        label_ce = torch.cat(label_ces) if label_ces else hidden.new_zeros(0, dtype=torch.float32)
+        ctx.mark_non_differentiable(pred, label_ce)
+        return (torch.cat(ces) if ces else hidden.new_zeros(0, dtype=torch.float32)), pred, label_ce
 
     @staticmethod
-    def backward(ctx, grad_ce: torch.Tensor, _grad_pred):
-        hidden, weight, labels, lse = ctx.saved_tensors
+    def backward(ctx, grad_ce: torch.Tensor, _grad_pred, _grad_label_ce):
+        hidden, weight, labels, lse, target_rows = ctx.saved_tensors
         grads = []
         for start in range(0, hidden.shape[0], ctx.chunk):
             sl = slice(start, start + ctx.chunk)
@@ -189,11 +222,14 @@ class LinearCrossEntropy(torch.autograd.Function):
                 g = ctx.fused.grad(z, lse[sl], labels[sl], grad_ce[sl], weight.dtype)
             else:
                 g = z.sub_(lse[sl, None]).exp_()  # softmax
-                g[torch.arange(g.shape[0], device=g.device), labels[sl]] -= 1.0
+                if ctx.soft:  # d/dz of -Σ p log softmax(z) = softmax(z) - p
+                    g.sub_(torch.softmax(_logits(target_rows[sl], weight), dim=-1))
+                else:
+                    g[torch.arange(g.shape[0], device=g.device), labels[sl]] -= 1.0
                 g = g.mul_(grad_ce[sl, None]).to(weight.dtype)
             grads.append((g @ weight).to(hidden.dtype))
         grad = torch.cat(grads) if grads else torch.zeros_like(hidden)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 # ---------------------------------------------------------------- the objective
@@ -214,8 +250,9 @@ class DFlashObjective(nn.Module):
         self.drafter, self.decay, self.labels, self.ce_chunk = drafter, decay, labels, ce_chunk
         self.weighting, self.dpace_alpha = weighting, dpace_alpha
         # compiled per-chunk cross-entropy passes (`FusedChunks`); training turns them on with
-        # train.compile (H200: 5% faster a step at the same loss, `bench/train_throughput.py --fused-ce`)
-        self.fused = FusedChunks.compiled() if fused_ce else None
+        # train.compile (H200: 5% faster a step at the same loss, `bench/train_throughput.py --fused-ce`);
+        # soft labels run the eager passes (the compiled ones take hard labels)
+        self.fused = FusedChunks.compiled() if fused_ce and labels != "soft" else None
         if compile:
             drafter.compile_pointwise()
 
@@ -241,12 +278,13 @@ class DFlashObjective(nn.Module):
         hidden = d.forward_blocks(ids.view(B, n * Bk), block_pos.view(B, n * Bk), attend)
         return hidden.view(B, n, Bk, -1)[:, :, 1:]  # row 0 holds the anchor's own token: no draft
 
-    def forward(self, input_ids, loss_mask, aux, target_probs, target_argmax, normalizer=None, anchors=None,
+    def forward(self, input_ids, loss_mask, aux, target_final, target_argmax, normalizer=None, anchors=None,
                 anchor_column_max=None):  # fmt: skip
         """input_ids, loss_mask [B, T]; aux [B, T, n*H]; target_argmax [B, T] target ids (z_t's
-        argmax); anchors [B, n] (-1: padding); normalizer [B-1] label counts (default: this batch's);
-        anchor_column_max: the anchors' per-column maximum as host integers (`Batch.anchor_column_max`)."""
-        del target_probs  # hard labels only
+        argmax); target_final [B, T, H]: the stored final states, read with labels "soft" only
+        (`ArgmaxHead(keep_final=True)`); anchors [B, n] (-1: padding); normalizer [B-1] label counts
+        (default: this batch's); anchor_column_max: the anchors' per-column maximum as host integers
+        (`Batch.anchor_column_max`)."""
         d, Bk = self.drafter, self.drafter.block_size
         T = input_ids.shape[1]
         device = input_ids.device
@@ -259,9 +297,15 @@ class DFlashObjective(nn.Module):
         pos, _ = block_label_positions(anchors, Bk, T)  # [B, n, K]: a + k
         w = label_weights(loss_mask, anchors, Bk)  # [B, n, K]
         greedy = torch.gather(target_argmax[:, None, :].expand(-1, n, -1), 2, (pos - 1).clamp(min=0))  # g_{a+k}: z_{a+k-1}
-        labels = greedy if self.labels == "target" else torch.gather(input_ids[:, None, :].expand(-1, n, -1), 2, pos)
+        labels = greedy if self.labels != "data" else torch.gather(input_ids[:, None, :].expand(-1, n, -1), 2, pos)
         rows = w.nonzero(as_tuple=True)
-        ce, pred = LinearCrossEntropy.apply(hidden[rows], d.lm_head.weight, labels[rows], self.ce_chunk, self.fused)
+        target_rows = None
+        if self.labels == "soft":  # z_{a+k-1}'s state for each labelled row [R, H]
+            if target_final is None or target_final.shape[-1] != hidden.shape[-1]:
+                raise ValueError("soft labels need the target's final states (ArgmaxHead(keep_final=True))")
+            target_rows = target_final[rows[0], (pos - 1)[rows]]
+        ce, pred, label_ce = LinearCrossEntropy.apply(hidden[rows], d.lm_head.weight, labels[rows], self.ce_chunk,
+                                                      self.fused, target_rows)  # fmt: skip
 
         K = Bk - 1
         k_of = rows[2]  # block row (0-based: k - 1) of every labelled row
@@ -270,7 +314,7 @@ class DFlashObjective(nn.Module):
             normalizer = w.sum(dim=(0, 1))
         normalizer = normalizer.to(device)
         if self.weighting == "dpace":
-            loss = (dpace_weights(ce, rows, w, self.dpace_alpha) * ce).sum() / normalizer.sum().clamp(min=1)
+            loss = (dpace_weights(label_ce, rows, w, self.dpace_alpha) * ce).sum() / normalizer.sum().clamp(min=1)
         else:
             weights = self.decay ** torch.arange(K, device=device, dtype=ce.dtype)
             loss = (weights * loss_sum / normalizer.clamp(min=1)).sum()

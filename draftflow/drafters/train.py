@@ -138,7 +138,7 @@ class TrainSettings:
             if eagle_only:
                 raise DraftflowError(
                     f"train --settings: {', '.join(eagle_only)} apply to EAGLE-3 only; DFlash trains with "
-                    "cross-entropy on hard labels (train.dflash.labels): leave them at their defaults"
+                    "cross-entropy against the target as train.dflash.labels says: leave them at their defaults"
                 )
         if list(s.aux_layer_ids) != sorted(set(s.aux_layer_ids)):
             raise DraftflowError(
@@ -401,7 +401,7 @@ def build_dflash(
     drafter.set_target(tensors["embed"].to(embed_dtype), tensors["lm_head"].to(embed_dtype))
     log.info("DFlash: %d layers, block %d, target layers %s, mask token %d (%s)", cfg.num_hidden_layers,
              cfg.block_size, cfg.target_layer_ids, mask_id, mask_token)  # fmt: skip
-    return drafter, ArgmaxHead(tensors["lm_head"]), cfg
+    return drafter, ArgmaxHead(tensors["lm_head"], keep_final=d.labels == "soft"), cfg
 
 
 # ---------------------------------------------------------------- distributed
