@@ -286,11 +286,7 @@ def test_soft_label_objective_is_the_cross_entropy_against_the_target_s_distribu
         reference = (0.8 ** torch.arange(BLOCK - 1, dtype=ce.dtype) * per_row).sum()
     else:
         labels = torch.gather(greedy[:, None, :].expand(-1, n, -1), 2, (pos - 1).clamp(min=0))
-        greedy_ce = -log_q.gather(-1, labels[..., None])[..., 0].detach()
-        s = torch.where(labelled, 0.5 * torch.exp(-greedy_ce) + 0.5, torch.ones_like(ce))
-        W = torch.stack([sum(labelled[..., j] * s[..., : j + 1].prod(-1) for j in range(k, BLOCK - 1))
-                         for k in range(BLOCK - 1)], dim=-1) * labelled  # fmt: skip
-        reference = (W * ce).sum() / labelled.sum()
+        reference = dpace_reference(ce, -log_q.gather(-1, labels[..., None])[..., 0], labelled)
     torch.testing.assert_close(loss, reference)
     for got, want in zip(grads, torch.autograd.grad(reference, params)):
         torch.testing.assert_close(got, want)
@@ -319,6 +315,15 @@ def test_compiled_objective_gives_the_eager_loss_and_gradients():
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-6, atol=1e-6)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def dpace_reference(ce: torch.Tensor, confidence_ce: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
+    """Σ W·CE / N over [B, n, K] rows, W_k = Σ_{j>=k labelled} Π_{i<=j} s_i with s = 0.5 exp(-CE) + 0.5
+    from `confidence_ce` held constant (1 on rows without a label): D-PACE written out, alpha 0.5."""
+    s = torch.where(labelled, 0.5 * torch.exp(-confidence_ce.detach()) + 0.5, torch.ones_like(ce))
+    W = torch.stack([sum(labelled[..., j] * s[..., : j + 1].prod(-1) for j in range(k, BLOCK - 1))
+                     for k in range(BLOCK - 1)], dim=-1) * labelled  # fmt: skip
+    return (W * ce).sum() / labelled.sum()
 
 
 def test_dpace_weight_is_each_row_s_share_of_the_block_s_expected_acceptance():
@@ -364,10 +369,7 @@ def test_dpace_loss_is_the_weighted_cross_entropy_with_weights_held_constant(tra
     labels = torch.gather(greedy[:, None, :].expand(-1, anchors.shape[1], -1), 2, pos - 1)  # g_{a+k}
     logits = objective.block_hidden(ids, aux, anchors) @ drafter.lm_head.weight.T
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape) * labelled
-    s = torch.where(labelled, 0.5 * torch.exp(-ce.detach()) + 0.5, torch.ones_like(ce))
-    W = torch.stack([sum(labelled[..., j] * s[..., : j + 1].prod(-1) for j in range(k, BLOCK - 1))
-                     for k in range(BLOCK - 1)], dim=-1) * labelled  # fmt: skip
-    reference = (W * ce).sum() / labelled.sum()
+    reference = dpace_reference(ce, ce, labelled)
     torch.testing.assert_close(loss, reference)
     for got, want in zip(grads, torch.autograd.grad(reference, params)):
         torch.testing.assert_close(got, want)
