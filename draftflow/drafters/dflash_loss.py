@@ -198,7 +198,8 @@ class LinearCrossEntropy(torch.autograd.Function):
                 lse, ce, pred = stats(z, y)
                 label_ce = ce
             else:
-                lse, ce, pred, label_ce = soft_ce_chunk_stats(z, _logits(target_rows[i * chunk:(i + 1) * chunk], weight), y)
+                z_target = _logits(target_rows[i * chunk : (i + 1) * chunk], weight)  # [c, V]
+                lse, ce, pred, label_ce = soft_ce_chunk_stats(z, z_target, y)
             ces.append(ce)
             preds.append(pred)
             lses.append(lse)
