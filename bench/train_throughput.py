@@ -250,7 +250,9 @@ def main(argv=None) -> None:
     shape = TINY if a.tiny else LLAMA_31_8B
     dtype = torch.bfloat16 if cuda else torch.float32
     compiled = use_compile({"on": True, "off": False}.get(a.compile, "auto"), device)
-    fused_ce = a.method == "dflash" and (compiled if a.fused_ce == "auto" else a.fused_ce == "on")
+    # soft labels run the eager chunk passes (DFlashObjective turns the fused ones off for them)
+    fused_ce = (a.method == "dflash" and a.dflash_labels != "soft"
+                and (compiled if a.fused_ce == "auto" else a.fused_ce == "on"))  # fmt: skip
     a.ttt_attention = ttt_attention(a.ttt_attention, device, compiled)  # the kernel the workflow would train with
     if a.method == "dflash":
         cfg, drafter, head = build_dflash(a, shape, device, dtype)
@@ -384,7 +386,7 @@ def main(argv=None) -> None:
            {"draft_vocab": a.draft_vocab, "ttt_steps": a.ttt_steps, "ttt_attention": a.ttt_attention}),
         "seq_len": a.seq_len, "lengths": a.lengths, "mean_length": round(float(np.mean(lengths)), 1),
         "batching": "packed" if packed else "padded", "batch_tokens": a.batch_tokens, "workers": a.workers,
-        "compile": compiled, "fused_ce": fused_ce and a.dflash_labels != "soft", "steps": a.steps,
+        "compile": compiled, "fused_ce": fused_ce, "steps": a.steps,
         "tokens_per_s": round(tokens_per_s, 1),
         "tokens_per_s_compute_only": round(resident_tokens / compute_s, 1),
         "step_s": round(e2e_s, 4),

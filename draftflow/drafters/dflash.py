@@ -46,6 +46,10 @@ from torch import nn
 from draftflow.drafters.eagle3 import MLP, RMSNorm, RotaryEmbedding, _rope_of, apply_rope, init_linears_and_norms
 from draftflow.errors import DraftflowError
 
+# train.dflash.labels and loss_weighting (their meaning: dflash_loss)
+LABELS = ("target", "data", "soft")
+WEIGHTINGS = ("decay", "dpace")
+
 ARCHITECTURE = "DFlashDraftModel"
 DEFAULT_MASK_TOKEN = "<|MASK|>"  # what SGLang adds to the tokenizer when a config names no id
 
@@ -240,9 +244,9 @@ class DFlashSettings:
             raise DraftflowError("train.dflash.num_hidden_layers and anchors_per_sample must be >= 1")
         if s.loss_decay_gamma <= 0:
             raise DraftflowError("train.dflash.loss_decay_gamma must be > 0")
-        if s.labels not in ("target", "data", "soft"):
+        if s.labels not in LABELS:
             raise DraftflowError(f"train.dflash.labels must be target, data or soft, got {s.labels!r}")
-        if s.loss_weighting not in ("decay", "dpace"):
+        if s.loss_weighting not in WEIGHTINGS:
             raise DraftflowError(f"train.dflash.loss_weighting must be decay or dpace, got {s.loss_weighting!r}")
         if not 0.0 < s.dpace_alpha <= 1.0:
             raise DraftflowError(f"train.dflash.dpace_alpha must be in (0, 1], got {s.dpace_alpha}")

@@ -43,11 +43,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from draftflow.drafters.dflash import AnchoredBlocks, DFlashDrafter
+from draftflow.drafters.dflash import LABELS, WEIGHTINGS, AnchoredBlocks, DFlashDrafter
 from draftflow.drafters.ttt import STAT_ROWS, TargetInfo, _logits_fp32
-
-LABELS = ("target", "data", "soft")
-WEIGHTINGS = ("decay", "dpace")
 
 
 # ---------------------------------------------------------------- anchors (data loader side)
