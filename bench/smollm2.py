@@ -6,6 +6,8 @@
     ppl      the target's perplexity on the merged eval split's loss tokens, per dataset
     heldout  the target's perplexity on ShareGPT answers that the example config never trains on
     neighbours  mean cosine of each aux layer's output with its neighbours' (MT-bench prompts)
+    mix      one conversations file with another's answers where the other has the same prompt (id)
+    lookup   prompt lookup's teacher-forced τ on conversation files' last answers (how loop-like they are)
     evalqueue  evaluate each drafter as soon as its training has finished, most wanted figures first
     collect  every figure of a call's work folder into one JSON (figures.json)
     table    markdown rows from one or more figures.json
@@ -153,6 +155,79 @@ def neighbours(a) -> None:
                     cosine = torch.nn.functional.cosine_similarity(states[i + 1][0], states[j + 1][0], dim=-1)
                     sums[i][side] += float(cosine.mean()) / len(questions)
     print(json.dumps({i: {"previous": round(p, 3), "next": round(n, 3)} for i, (p, n) in sums.items()}))
+
+
+def read_conversations(path: Path) -> dict[str, dict]:
+    """id -> record of a conversations file (.jsonl or .jsonl.gz), in file order."""
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return {r["id"]: r for r in map(json.loads, f)}
+
+
+def mix(a) -> None:
+    """--base's records in its order, each replaced by --answers' record of the same id where that has
+    one (the same prompt answered another way, e.g. greedily): a share of one regeneration in another."""
+    import gzip
+
+    base, answers = read_conversations(a.base), read_conversations(a.answers)
+    replaced = 0
+    with gzip.open(a.out, "wt", encoding="utf-8", compresslevel=9) as f:
+        for record_id, record in base.items():
+            other = answers.get(record_id)
+            if other is not None:
+                if other["messages"][:-1] != record["messages"][:-1]:
+                    raise SystemExit(f"{a.answers}: id {record_id} has another prompt than in {a.base}")
+                record, replaced = other, replaced + 1
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    print(json.dumps({"records": len(base), "replaced": replaced, "out": str(a.out)}))
+
+
+def lookup_tau(tokens: list[int], start: int, k: int, proposer) -> tuple[int, int]:
+    """(tokens, verify steps) of chain drafting at K = k over tokens[start:], teacher-forced: each step
+    proposes from the tokens so far and accepts the proposal's prefix that the path itself continues with."""
+    steps, t = 0, start
+    while t < len(tokens):
+        proposal = proposer.propose(tokens[:t], None, k)
+        accepted = 0
+        while accepted < len(proposal) and t + accepted < len(tokens) and proposal[accepted] == tokens[t + accepted]:
+            accepted += 1
+        t += accepted + 1  # the accepted drafts and the target's own next token
+        steps += 1
+    return len(tokens) - start, steps
+
+
+def lookup(a) -> None:
+    """Prompt lookup (n <= 3, as `evaluate`) teacher-forced on each record's last answer: τ = answer tokens
+    / verify steps at each K, per file, over the records whose ids all files share (the same prompts)."""
+    from draftflow.data.tokenization import load_tokenizer, tokenize_conversation
+    from draftflow.evaluation.speculative import NgramProposer
+
+    files = {str(path): read_conversations(path) for path in a.conversations}
+    ids = sorted(set.intersection(*(set(r) for r in files.values())))[: a.records]
+    tokenizer = load_tokenizer(a.model)
+    proposer = NgramProposer(3)
+    out = {"records": len(ids), "files": {}}
+    for name, by_id in files.items():
+        totals = {k: [0, 0] for k in a.k}
+        answer_tokens, at_cap = 0, 0
+        for record_id in ids:
+            sample = tokenize_conversation(tokenizer, by_id[record_id]["messages"])
+            mask = sample.loss_mask
+            end = max(i for i, m in enumerate(mask) if m) + 1  # the last answer's run of loss tokens
+            start = end - mask[:end][::-1].index(0) if 0 in mask[:end] else 0
+            tokens = sample.input_ids[:end]
+            answer_tokens += len(tokens) - start
+            at_cap += len(tokens) - start >= a.cap
+            for k in a.k:
+                n, steps = lookup_tau(tokens, start, k, proposer)
+                totals[k][0] += n
+                totals[k][1] += steps
+        out["files"][name] = {"tau": {k: round(n / steps, 3) for k, (n, steps) in totals.items()},
+                              "mean_answer_tokens": round(answer_tokens / len(ids), 1),
+                              "share_at_cap": round(at_cap / len(ids), 3)}
+    print(json.dumps(out))
 
 
 def collect(a) -> None:
@@ -428,6 +503,16 @@ def main(argv=None) -> int:
     n.add_argument("--questions", type=Path, default=REPO / "real" / "data" / "mtbench_question.jsonl")
     n.add_argument("--aux", type=int, nargs="+", default=[1, 14, 26])
     n.add_argument("--prompts", type=int, default=8)
+    lk = sub.add_parser("lookup", help="prompt lookup's teacher-forced τ on conversation files' last answers")
+    lk.add_argument("conversations", type=Path, nargs="+", help="conversation .jsonl[.gz] files (the same ids)")
+    lk.add_argument("--model", type=Path, default=REPO / "real" / "smollm2-135m-instruct")
+    lk.add_argument("--k", type=int, nargs="+", default=[3, 5, 7])
+    lk.add_argument("--records", type=int, default=1000, help="the first N shared ids, sorted")
+    lk.add_argument("--cap", type=int, default=250, help="answers at least this long count as cut at max_new_tokens")
+    mx = sub.add_parser("mix", help="one conversations file with another's answers for the ids both hold")
+    mx.add_argument("--base", type=Path, required=True)
+    mx.add_argument("--answers", type=Path, required=True)
+    mx.add_argument("--out", type=Path, required=True, help="a .jsonl.gz")
     e = sub.add_parser("evalqueue")
     e.add_argument("--work", type=Path, required=True)
     e.add_argument("--seconds", type=float, required=True, help="kill what still runs after this long")
@@ -451,7 +536,7 @@ def main(argv=None) -> int:
     m.add_argument("--work", type=Path, required=True)
     m.add_argument("--source", type=Path, required=True)
     a = p.parse_args(argv)
-    {"configs": configs, "ppl": ppl, "heldout": heldout, "neighbours": neighbours, "collect": collect, "table": table,
+    {"configs": configs, "ppl": ppl, "heldout": heldout, "neighbours": neighbours, "lookup": lookup, "mix": mix, "collect": collect, "table": table,
      "evalqueue": evalqueue, "dflash-variant": lambda a: print(json.dumps(DFLASH_VARIANTS[a.name])),
      "eagle3-variant": lambda a: print(" ".join(EAGLE3_VARIANTS[a.name])),
      "pack-drafter": pack_drafter, "import-drafters": import_drafters}[a.cmd](a)
