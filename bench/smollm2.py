@@ -167,15 +167,17 @@ def read_conversations(path: Path) -> dict[str, dict]:
 
 
 def mix(a) -> None:
-    """--base's records in its order, each replaced by --answers' record of the same id where that has
-    one (the same prompt answered another way, e.g. greedily): a share of one regeneration in another."""
+    """--base's records in its order, the first --share of them replaced by --answers' record of the same
+    id where that has one (the same prompt answered another way, e.g. greedily): one regeneration's
+    answers for a share of another's prompts."""
     import gzip
 
     base, answers = read_conversations(a.base), read_conversations(a.answers)
+    limit = round(a.share * len(base))
     replaced = 0
     with gzip.open(a.out, "wt", encoding="utf-8", compresslevel=9) as f:
-        for record_id, record in base.items():
-            other = answers.get(record_id)
+        for index, (record_id, record) in enumerate(base.items()):
+            other = answers.get(record_id) if index < limit else None
             if other is not None:
                 if other["messages"][:-1] != record["messages"][:-1]:
                     raise SystemExit(f"{a.answers}: id {record_id} has another prompt than in {a.base}")
@@ -512,6 +514,7 @@ def main(argv=None) -> int:
     mx = sub.add_parser("mix", help="one conversations file with another's answers for the ids both hold")
     mx.add_argument("--base", type=Path, required=True)
     mx.add_argument("--answers", type=Path, required=True)
+    mx.add_argument("--share", type=float, default=1.0, help="replace among the first this share of --base's records")
     mx.add_argument("--out", type=Path, required=True, help="a .jsonl.gz")
     e = sub.add_parser("evalqueue")
     e.add_argument("--work", type=Path, required=True)

@@ -14,7 +14,8 @@
 #          "ours speculators dflash"; NO_SPECULATORS=1 drops speculators; TRAINERS=none trains only the
 #          variants below); DFLASH_VARIANTS="l5-dpace …"
 #          also trains those DFlash recipes (bench/smollm2.py DFLASH_VARIANTS) at the first seed, all at
-#          once (on an 80 GB card at most one 5-layer DFlash, ~31 GiB, beside two 1-layer ones, ~8 GiB), and
+#          once (on an 80 GB card at most one 5-layer DFlash, ~31 GiB, beside two 1-layer ones, ~8 GiB;
+#          DFLASH_EPOCHS=N: those variants at N epochs, not the config's), and
 #          EAGLE3_VARIANTS="norms arch …" those EAGLE-3 recipes (bench/smollm2.py EAGLE3_VARIANTS: ours
 #          with speculators' norms, speculators without them, …), evaluated as <trainer>-<variant>-s<seed>;
 #          SPEC_SEEDS (default SEEDS): speculators' seeds, where a session trains others than ours';
@@ -204,7 +205,8 @@ if [ "$mode" = train ] || [ "$mode" = datatrain ] || [ "$mode" = all ]; then
     trains ours && for seed in $SEEDS; do pids+=("$(qc ours "$seed")"); done
     first=${SEEDS%% *}
     for variant in ${DFLASH_VARIANTS:-}; do
-        pids+=("$(qc ours "$first" "$variant" --dflash "$(python3 bench/smollm2.py dflash-variant "$variant")")")
+        pids+=("$(qc ours "$first" "$variant" --dflash "$(python3 bench/smollm2.py dflash-variant "$variant")" \
+            ${DFLASH_EPOCHS:+--set train.epochs=$DFLASH_EPOCHS})")
     done
     # EAGLE3_VARIANTS (bench/smollm2.py EAGLE3_VARIANTS): the session's recipe plus a variant's arguments,
     # ours' at each of VARIANT_SEEDS (default: the first seed), started now; speculators' at the first of
