@@ -213,7 +213,7 @@ def lookup(a) -> None:
     out = {"records": len(ids), "files": {}}
     for name, by_id in files.items():
         totals = {k: [0, 0] for k in a.k}
-        answer_tokens, at_cap = 0, 0
+        answer_tokens, at_cap, looping = 0, 0, 0
         for record_id in ids:
             sample = tokenize_conversation(tokenizer, by_id[record_id]["messages"])
             mask = sample.loss_mask
@@ -222,13 +222,17 @@ def lookup(a) -> None:
             tokens = sample.input_ids[:end]
             answer_tokens += len(tokens) - start
             at_cap += len(tokens) - start >= a.cap
+            answer = tokens[start:]
+            windows = [tuple(answer[i : i + a.loop]) for i in range(len(answer) - a.loop + 1)]
+            looping += len(set(windows)) < len(windows)  # some run of --loop tokens comes back
             for k in a.k:
                 n, steps = lookup_tau(tokens, start, k, proposer)
                 totals[k][0] += n
                 totals[k][1] += steps
         out["files"][name] = {"tau": {k: round(n / steps, 3) for k, (n, steps) in totals.items()},
                               "mean_answer_tokens": round(answer_tokens / len(ids), 1),
-                              "share_at_cap": round(at_cap / len(ids), 3)}
+                              "share_at_cap": round(at_cap / len(ids), 3),
+                              f"share_repeating_{a.loop}_tokens": round(looping / len(ids), 3)}
     print(json.dumps(out))
 
 
@@ -511,6 +515,7 @@ def main(argv=None) -> int:
     lk.add_argument("--k", type=int, nargs="+", default=[3, 5, 7])
     lk.add_argument("--records", type=int, default=1000, help="the first N shared ids, sorted")
     lk.add_argument("--cap", type=int, default=250, help="answers at least this long count as cut at max_new_tokens")
+    lk.add_argument("--loop", type=int, default=16, help="an answer loops if a run of this many tokens comes back")
     mx = sub.add_parser("mix", help="one conversations file with another's answers for the ids both hold")
     mx.add_argument("--base", type=Path, required=True)
     mx.add_argument("--answers", type=Path, required=True)
