@@ -181,7 +181,8 @@ def mix(a) -> None:
             if other is not None:
                 if other["messages"][:-1] != record["messages"][:-1]:
                     raise SystemExit(f"{a.answers}: id {record_id} has another prompt than in {a.base}")
-                record, replaced = other, replaced + 1
+                record = other
+                replaced += 1
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     print(json.dumps({"records": len(base), "replaced": replaced, "out": str(a.out)}))
 
@@ -544,7 +545,8 @@ def main(argv=None) -> int:
     m.add_argument("--work", type=Path, required=True)
     m.add_argument("--source", type=Path, required=True)
     a = p.parse_args(argv)
-    {"configs": configs, "ppl": ppl, "heldout": heldout, "neighbours": neighbours, "lookup": lookup, "mix": mix, "collect": collect, "table": table,
+    {"configs": configs, "ppl": ppl, "heldout": heldout, "neighbours": neighbours, "lookup": lookup, "mix": mix,
+     "collect": collect, "table": table,
      "evalqueue": evalqueue, "dflash-variant": lambda a: print(json.dumps(DFLASH_VARIANTS[a.name])),
      "eagle3-variant": lambda a: print(" ".join(EAGLE3_VARIANTS[a.name])),
      "pack-drafter": pack_drafter, "import-drafters": import_drafters}[a.cmd](a)
