@@ -220,7 +220,7 @@ def lookup(a) -> None:
             mask = sample.loss_mask
             end = max(i for i, m in enumerate(mask) if m) + 1  # the last answer's run of loss tokens
             start = end - mask[:end][::-1].index(0) if 0 in mask[:end] else 0
-            tokens = sample.input_ids[:end]
+            tokens = sample.input_ids[: min(end, start + a.max_answer)]  # the evaluation's max_new_tokens
             answer_tokens += len(tokens) - start
             at_cap += len(tokens) - start >= a.cap
             answer = tokens[start:]
@@ -516,6 +516,7 @@ def main(argv=None) -> int:
     lk.add_argument("--k", type=int, nargs="+", default=[3, 5, 7])
     lk.add_argument("--records", type=int, default=1000, help="the first N shared ids, sorted")
     lk.add_argument("--cap", type=int, default=250, help="answers at least this long count as cut at max_new_tokens")
+    lk.add_argument("--max-answer", type=int, default=10**9, help="only each answer's first this many tokens")
     lk.add_argument("--loop", type=int, default=16, help="an answer loops if a run of this many tokens comes back")
     mx = sub.add_parser("mix", help="one conversations file with another's answers for the ids both hold")
     mx.add_argument("--base", type=Path, required=True)
