@@ -325,7 +325,7 @@ def import_drafters(a) -> None:
 # bench/quality_compare.py --dflash over the example config's train.dflash; every variant names its
 # layers, block and weighting, so it means the same whatever the example holds (the target's greedy
 # labels and the stored aux layers unless it says otherwise); smollm2_call.sh's DFLASH_VARIANTS names them.
-# l1-decay is the schema's default; the example config trains l5-dpace (session 11's screening, BENCHMARKS.md)
+# l1-dpace is the schema's default since session 13 (l1-decay before); the example config trains l5-dpace (BENCHMARKS.md)
 _L1_DECAY = {"num_hidden_layers": 1, "block_size": 16, "loss_weighting": "decay"}
 DFLASH_VARIANTS = {
     "l1-decay": _L1_DECAY,

@@ -510,7 +510,7 @@ def train_settings(method: str) -> dict:
     if method == "dflash":
         settings["method"] = method
         dflash = config["train"]["dflash"]
-        # D-PACE's keys only where it is on: a default decay run keeps the params it had before them
+        # D-PACE's keys only where it is on: a decay run keeps the params it had before they existed
         unused = {"target_layer_ids"}
         if dflash["loss_weighting"] == "decay":
             unused |= {"loss_weighting", "dpace_alpha"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import yaml
 
 from conftest import REPO, copy_workflow, load_default_config, planned_jobs, snakemake, write_config
 from draftflow.config import enabled_datasets, load_config
+from draftflow.drafters.dflash import DFlashSettings
 
 EXAMPLES = sorted((REPO / "config" / "examples").glob("*.yaml"))
 
@@ -53,7 +55,7 @@ def test_two_methods_overlay_plans_each_drafter_once_from_one_pipeline(workflow_
     export / figure per method, one comparison figure; the default trains EAGLE-3 only."""
     default = planned_jobs(snakemake(workflow_copy, "-n").stdout)
     assert len(default["train"]) == len(default["evaluate"]) == len(default["export"]) == 1
-    proc = snakemake(workflow_copy, "-n", "--configfile", "config/config.yaml", "config/two-methods.yaml")
+    proc = snakemake(workflow_copy, "-n", "-p", "--configfile", "config/config.yaml", "config/two-methods.yaml")
     jobs = planned_jobs(proc.stdout)
     assert {r: len(jobs[r]) for r in ("train", "evaluate", "export", "plot_training", "plot_acceptance")} == dict.fromkeys(
         ("train", "evaluate", "export", "plot_training", "plot_acceptance"), 2
@@ -62,6 +64,32 @@ def test_two_methods_overlay_plans_each_drafter_once_from_one_pipeline(workflow_
     assert jobs.keys() - default.keys() == set() and len(jobs["prepare"]) == len(default["prepare"])
     for method in ("eagle3", "dflash"):
         assert f"results/drafter/{method}" in proc.stdout and f"results/eval/{method}/acceptance.json" in proc.stdout
+    dflash = DFlashSettings.from_dict(printed_train_settings(proc.stdout, "dflash")["dflash"])
+    assert (dflash.num_hidden_layers, dflash.loss_weighting) == (1, "dpace")  # the schema's default recipe
+
+
+def printed_train_settings(dry_run_stdout: str, method: str) -> dict:
+    """The --settings JSON of one method's train job in a `snakemake -n -p` listing."""
+    for block in dry_run_stdout.split("\n\n"):
+        if "rule train:" in block and f"results/drafter/{method}" in block:
+            command = next(line for line in block.splitlines() if "launch-train" in line)
+            args = shlex.split(command.split("Shell command:", 1)[1].split(">", 1)[0])
+            return json.loads(args[args.index("--settings") + 1])
+    raise AssertionError(f"no train job for {method} in the dry-run:\n{dry_run_stdout[-3000:]}")
+
+
+@pytest.mark.slow  # real work of 10 s or more: not in make test-fast
+def test_dflash_set_to_decay_trains_decay_and_keeps_its_params(workflow_copy):
+    """decay is no longer the default: a config that names it must still train it, with the params
+    it had before D-PACE existed (no loss_weighting key), so such a drafter does not retrain."""
+    config = load_default_config()
+    config["train"]["methods"] = ["eagle3", "dflash"]
+    config["train"]["dflash"] = {"loss_weighting": "decay"}
+    write_config(workflow_copy, config)
+    proc = snakemake(workflow_copy, "-n", "-p", "--configfile", "config/test.yaml")
+    settings = printed_train_settings(proc.stdout, "dflash")["dflash"]
+    assert "loss_weighting" not in settings and "dpace_alpha" not in settings
+    assert DFlashSettings.from_dict(settings).loss_weighting == "decay"
 
 
 def test_vllm_cpu_overlay_evaluates_the_vllm_export_through_the_vllm_venv(workflow_copy):

@@ -227,6 +227,8 @@ class DFlashSettings:
     anchors_per_sample: int = 512
     loss_decay_gamma: float = 7.0
     labels: str = "target"
+    # decay, not the schema's dpace: settings without the key are runs from before D-PACE existed
+    # (the workflow's params still leave it out for decay, so an explicit decay run keeps its params)
     loss_weighting: str = "decay"
     dpace_alpha: float = 0.5
 
