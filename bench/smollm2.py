@@ -221,9 +221,9 @@ def lookup(a) -> None:
             end = max(i for i, m in enumerate(mask) if m) + 1  # the last answer's run of loss tokens
             start = end - mask[:end][::-1].index(0) if 0 in mask[:end] else 0
             tokens = sample.input_ids[: min(end, start + a.max_answer)]  # the evaluation's max_new_tokens
-            answer_tokens += len(tokens) - start
-            at_cap += len(tokens) - start >= a.cap
             answer = tokens[start:]
+            answer_tokens += len(answer)
+            at_cap += len(answer) >= a.cap
             windows = [tuple(answer[i : i + a.loop]) for i in range(len(answer) - a.loop + 1)]
             looping += len(set(windows)) < len(windows)  # some run of --loop tokens comes back
             for k in a.k:
