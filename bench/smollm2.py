@@ -8,6 +8,7 @@
     neighbours  mean cosine of each aux layer's output with its neighbours' (MT-bench prompts)
     mix      one conversations file with another's answers where the other has the same prompt (id)
     lookup   prompt lookup's teacher-forced τ on conversation files' last answers (how loop-like they are)
+    vocab-coverage  the share of the eval split's loss tokens inside the draft vocabulary, per size
     evalqueue  evaluate each drafter as soon as its training has finished, most wanted figures first
     collect  every figure of a call's work folder into one JSON (figures.json)
     table    markdown rows from one or more figures.json
@@ -234,6 +235,50 @@ def lookup(a) -> None:
                               "mean_answer_tokens": round(answer_tokens / len(ids), 1),
                               "share_at_cap": round(at_cap / len(ids), 3),
                               f"share_repeating_{a.loop}_tokens": round(looping / len(ids), 3)}
+    print(json.dumps(out))
+
+
+def vocab_coverage(a) -> None:
+    """For each draft vocabulary size: the vocabulary the workflow's `vocab` stage would pick from the
+    merged train split, and the share of the eval split's loss tokens it holds, per dataset. A token
+    outside it can never be drafted: the ceiling that the size sets on acceptance."""
+    from collections import defaultdict
+
+    import numpy as np
+
+    from draftflow.drafters.vocab import count_loss_tokens, select_draft_vocab, target_vocab_size
+    from draftflow.jsonl import read_jsonl
+
+    V = target_vocab_size(a.target)
+    train = count_loss_tokens(a.results / "merged" / "train.jsonl", V)  # [V]
+    held_out: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(V, dtype=np.int64))  # dataset -> [V]
+    for record in read_jsonl(a.results / "merged" / "eval.jsonl"):
+        ids = np.asarray(record["input_ids"], dtype=np.int64)[np.asarray(record["loss_mask"], dtype=bool)]
+        held_out[record["dataset"]] += np.bincount(ids, minlength=V)
+    held_out["all"] = sum(held_out.values())
+    if a.answers:  # the same eval prompts answered another way (e.g. greedily): what greedy serving emits
+        from draftflow.data.prepare import sample_id
+        from draftflow.data.tokenization import load_tokenizer, tokenize_conversation
+
+        # `prepare` names a record by its dataset and content: the ids that --base and --answers share
+        # are the regeneration's, so the eval split's records are found through --base
+        eval_ids = {record["id"] for record in read_jsonl(a.results / "merged" / "eval.jsonl")}
+        answers = read_conversations(a.answers)
+        tokenizer = load_tokenizer(a.target)
+        counts = np.zeros(V, dtype=np.int64)
+        for record_id, record in read_conversations(a.base).items():
+            if sample_id(a.dataset, record["messages"]) in eval_ids and record_id in answers:
+                sample = tokenize_conversation(tokenizer, answers[record_id]["messages"])
+                ids = np.asarray(sample.input_ids, dtype=np.int64)[np.asarray(sample.loss_mask, dtype=bool)]
+                counts += np.bincount(ids, minlength=V)
+        held_out[a.answers.name] = counts
+    out = {"target_vocab_size": V, "train_loss_tokens": int(train.sum()),
+           "train_distinct": int((train > 0).sum()),
+           "eval_loss_tokens": {name: int(c.sum()) for name, c in held_out.items()}, "coverage": {}}
+    for size in sorted({min(size, V) for size in a.sizes}):
+        chosen = select_draft_vocab(train, size).t2d  # [V] bool
+        shares = {name: c[chosen].sum() / c.sum() for name, c in {"train": train, **held_out}.items()}
+        out["coverage"][size] = {name: round(float(share), 5) for name, share in shares.items()}
     print(json.dumps(out))
 
 
@@ -523,6 +568,14 @@ def main(argv=None) -> int:
     mx.add_argument("--answers", type=Path, required=True)
     mx.add_argument("--share", type=float, default=1.0, help="replace among the first this share of --base's records")
     mx.add_argument("--out", type=Path, required=True, help="a .jsonl.gz")
+    vc = sub.add_parser("vocab-coverage", help="the eval split's loss tokens inside the draft vocabulary, per size")
+    vc.add_argument("--results", type=Path, required=True, help="a run's results/ (merged/train.jsonl, eval.jsonl)")
+    vc.add_argument("--target", type=Path, default=REPO / "real" / "smollm2-135m-instruct")
+    vc.add_argument("--sizes", type=int, nargs="+", default=[8192, 16384, 24576, 32000, 49152])
+    vc.add_argument("--answers", type=Path, help="--base's prompts answered another way (the same ids): one more row")
+    vc.add_argument("--base", type=Path, default=REPO / "bench" / "data" / "smollm2_sharegpt_regenerated.jsonl.gz",
+                    help="the conversations the run was given as --dataset (REGENERATED)")
+    vc.add_argument("--dataset", default="sharegpt_regen", help="--base's dataset name in the config")
     e = sub.add_parser("evalqueue")
     e.add_argument("--work", type=Path, required=True)
     e.add_argument("--seconds", type=float, required=True, help="kill what still runs after this long")
@@ -547,7 +600,7 @@ def main(argv=None) -> int:
     m.add_argument("--source", type=Path, required=True)
     a = p.parse_args(argv)
     {"configs": configs, "ppl": ppl, "heldout": heldout, "neighbours": neighbours, "lookup": lookup, "mix": mix,
-     "collect": collect, "table": table,
+     "vocab-coverage": vocab_coverage, "collect": collect, "table": table,
      "evalqueue": evalqueue, "dflash-variant": lambda a: print(json.dumps(DFLASH_VARIANTS[a.name])),
      "eagle3-variant": lambda a: print(" ".join(EAGLE3_VARIANTS[a.name])),
      "pack-drafter": pack_drafter, "import-drafters": import_drafters}[a.cmd](a)
