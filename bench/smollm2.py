@@ -252,9 +252,11 @@ def vocab_coverage(a) -> None:
     V = target_vocab_size(a.target)
     train = count_loss_tokens(a.results / "merged" / "train.jsonl", V)  # [V]
     held_out: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(V, dtype=np.int64))  # dataset -> [V]
+    eval_ids = set()
     for record in read_jsonl(a.results / "merged" / "eval.jsonl"):
         ids = np.asarray(record["input_ids"], dtype=np.int64)[np.asarray(record["loss_mask"], dtype=bool)]
         held_out[record["dataset"]] += np.bincount(ids, minlength=V)
+        eval_ids.add(record["id"])
     held_out["all"] = sum(held_out.values())
     if a.answers:  # the same eval prompts answered another way (e.g. greedily): what greedy serving emits
         from draftflow.data.prepare import sample_id
@@ -262,7 +264,6 @@ def vocab_coverage(a) -> None:
 
         # `prepare` names a record by its dataset and content: the ids that --base and --answers share
         # are the regeneration's, so the eval split's records are found through --base
-        eval_ids = {record["id"] for record in read_jsonl(a.results / "merged" / "eval.jsonl")}
         answers = read_conversations(a.answers)
         tokenizer = load_tokenizer(a.target)
         counts = np.zeros(V, dtype=np.int64)
@@ -271,6 +272,9 @@ def vocab_coverage(a) -> None:
                 sample = tokenize_conversation(tokenizer, answers[record_id]["messages"])
                 ids = np.asarray(sample.input_ids, dtype=np.int64)[np.asarray(sample.loss_mask, dtype=bool)]
                 counts += np.bincount(ids, minlength=V)
+        if not counts.any():
+            raise SystemExit(f"vocab-coverage: no record of {a.base} named {a.dataset!r} is in the eval split with an "
+                             f"answer in {a.answers}: pass the file and dataset name the run was given")
         held_out[a.answers.name] = counts
     out = {"target_vocab_size": V, "train_loss_tokens": int(train.sum()),
            "train_distinct": int((train > 0).sum()),
