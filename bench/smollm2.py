@@ -251,11 +251,14 @@ def vocab_coverage(a) -> None:
 
     V = target_vocab_size(a.target)
     train = count_loss_tokens(a.results / "merged" / "train.jsonl", V)  # [V]
+
+    def loss_token_counts(input_ids: list[int], loss_mask: list) -> np.ndarray:  # [V]
+        return np.bincount(np.asarray(input_ids, dtype=np.int64)[np.asarray(loss_mask, dtype=bool)], minlength=V)
+
     held_out: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(V, dtype=np.int64))  # dataset -> [V]
     eval_ids = set()
     for record in read_jsonl(a.results / "merged" / "eval.jsonl"):
-        ids = np.asarray(record["input_ids"], dtype=np.int64)[np.asarray(record["loss_mask"], dtype=bool)]
-        held_out[record["dataset"]] += np.bincount(ids, minlength=V)
+        held_out[record["dataset"]] += loss_token_counts(record["input_ids"], record["loss_mask"])
         eval_ids.add(record["id"])
     held_out["all"] = sum(held_out.values())
     if a.answers:  # the same eval prompts answered another way (e.g. greedily): what greedy serving emits
@@ -270,8 +273,7 @@ def vocab_coverage(a) -> None:
         for record_id, record in read_conversations(a.base).items():
             if sample_id(a.dataset, record["messages"]) in eval_ids and record_id in answers:
                 sample = tokenize_conversation(tokenizer, answers[record_id]["messages"])
-                ids = np.asarray(sample.input_ids, dtype=np.int64)[np.asarray(sample.loss_mask, dtype=bool)]
-                counts += np.bincount(ids, minlength=V)
+                counts += loss_token_counts(sample.input_ids, sample.loss_mask)
         if not counts.any():
             raise SystemExit(f"vocab-coverage: no record of {a.base} named {a.dataset!r} is in the eval split with an "
                              f"answer in {a.answers}: pass the file and dataset name the run was given")
