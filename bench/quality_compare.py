@@ -22,8 +22,8 @@ Differences that remain (speculators' own, kept unless `--spec-recipe ours-arch`
     norm_output (fed-back states are post-norm); `ours-arch` turns the three off;
   - its draft LM head is frozen (rows of the target's head); ours trains it;
   - loss kl_div (same gradient as our soft CE); grad clip 1.0 (ours 0.5; on SmolLM2 both bind all
-    through training, at gradient norms of 1-2.7: under AdamW a clip rescales a step's gradient,
-    so it changes how the moments weight steps, not the size of an update);
+    through training, at gradient norms of 1-2.7, and where both bind AdamW's update is the same for
+    either: its moments scale with the clip and cancel; BENCHMARKS.md, session 15);
   - it packs samples into one row of `batch_tokens` (ours: rows as wide as the longest sample,
     `drafters.packing`): about the same tokens per step and steps per epoch; epochs, LR, warmup
     share and schedule shape are the same;
