@@ -175,16 +175,18 @@ def mix(a) -> None:
 
     base, answers = read_conversations(a.base), read_conversations(a.answers)
     limit = round(a.share * len(base))
-    replaced = 0
+    records, replaced = [], 0
+    for index, (record_id, record) in enumerate(base.items()):  # checked whole before --out is written
+        other = answers.get(record_id) if index < limit else None
+        if other is not None:
+            if other["messages"][:-1] != record["messages"][:-1]:
+                raise SystemExit(f"{a.answers}: id {record_id} has another prompt than in {a.base}")
+            record = other
+            replaced += 1
+        records.append(record)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(a.out, "wt", encoding="utf-8", compresslevel=9) as f:
-        for index, (record_id, record) in enumerate(base.items()):
-            other = answers.get(record_id) if index < limit else None
-            if other is not None:
-                if other["messages"][:-1] != record["messages"][:-1]:
-                    raise SystemExit(f"{a.answers}: id {record_id} has another prompt than in {a.base}")
-                record = other
-                replaced += 1
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
     print(json.dumps({"records": len(base), "replaced": replaced, "out": str(a.out)}))
 
 
