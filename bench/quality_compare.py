@@ -21,8 +21,8 @@ Differences that remain (speculators' own, kept unless `--spec-recipe ours-arch`
   - its EAGLE-3 recipe: norm_before_fc (RMSNorm over cat(aux)), norm_before_residual and
     norm_output (fed-back states are post-norm); `ours-arch` turns the three off;
   - its draft LM head is frozen (rows of the target's head); ours trains it;
-  - loss kl_div (same gradient as our soft CE); grad clip 1.0 (ours 0.5; on SmolLM2 both bind all
-    through training, at gradient norms of 1-2.7, and where both bind AdamW's update is the same for
+  - loss kl_div (same gradient as our soft CE); grad clip 1.0 (ours 0.5; on SmolLM2 both bind wherever
+    the norms were logged, at 1-2.7, and where both bind AdamW's update is the same for
     either: its moments scale with the clip and cancel; BENCHMARKS.md, session 15);
   - it packs samples into one row of `batch_tokens` (ours: rows as wide as the longest sample,
     `drafters.packing`): about the same tokens per step and steps per epoch; epochs, LR, warmup

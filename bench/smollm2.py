@@ -406,7 +406,7 @@ EAGLE3_VARIANTS = {
     "frozen-head": ["ours", "--set", "train.freeze_lm_head=true"],
     "spec-recipe": ["ours", "--set", "train.freeze_lm_head=true", *SPECULATORS_NORMS],
     # speculators' gradient clip (ours 0.5): idle where both bind, as on SmolLM2 (AdamW's update does
-    # not depend on a clip that binds every step; BENCHMARKS.md, session 15); kept for a run that does not
+    # not depend on a clip that binds every step; BENCHMARKS.md, session 15); kept for a run where they do not
     "clip1": ["ours", "--set", "train.grad_clip=1.0"],
     "nbfc": ["ours", "--set", "train.norm_before_fc=true"],
     "lk": ["ours", "--set", "train.loss=lk"],
