@@ -19,7 +19,8 @@
 #          EAGLE3_VARIANTS="norms arch …" those EAGLE-3 recipes (bench/smollm2.py EAGLE3_VARIANTS: ours
 #          with speculators' norms, speculators without them, …), evaluated as <trainer>-<variant>-s<seed>;
 #          SPEC_SEEDS (default SEEDS): speculators' seeds, where a session trains others than ours';
-#          VARIANT_SEEDS (default: the first of SEEDS): the seeds of ours' EAGLE3_VARIANTS
+#          VARIANT_SEEDS (default: the first of SEEDS): the seeds of ours' EAGLE3_VARIANTS; a variant
+#          written name@seed trains at that seed only (EAGLE3_VARIANTS="norms@1 norms@2 head25@0")
 #   eval   every drafter `draftflow evaluate`d on the GPU: real τ at K 3/5/7, T 0 and 1, on MT-bench
 #          (both turns), GSM8K and HumanEval; simulated τ; prompt lookup. At most JOBS at a time.
 #   all    data (skipped when RESUME=1 finds it done), train, and evaluate each drafter as soon as it
@@ -184,6 +185,7 @@ fi
 if [ "$mode" = train ] || [ "$mode" = datatrain ] || [ "$mode" = all ]; then
     spec_variants=()  # EAGLE3_VARIANTS of speculators': checked before anything starts
     for variant in ${EAGLE3_VARIANTS:-}; do
+        variant=${variant%@*}
         spec=$(python3 bench/smollm2.py eagle3-variant "$variant") || exit 1
         [ "${spec%% *}" = speculators ] && spec_variants+=("$variant")
     done
@@ -211,10 +213,13 @@ if [ "$mode" = train ] || [ "$mode" = datatrain ] || [ "$mode" = all ]; then
     # EAGLE3_VARIANTS (bench/smollm2.py EAGLE3_VARIANTS): the session's recipe plus a variant's arguments,
     # ours' at each of VARIANT_SEEDS (default: the first seed), started now; speculators' at the first of
     # SPEC_SEEDS, with its other seeds below
+    # (`name@seed` trains that variant at that seed alone: EAGLE3_VARIANTS="norms@1 norms@2 head25@0")
     for variant in ${EAGLE3_VARIANTS:-}; do
+        seeds=${VARIANT_SEEDS:-$first}
+        [[ "$variant" == *@* ]] && seeds=${variant#*@} && variant=${variant%@*}
         read -r trainer args <<< "$(python3 bench/smollm2.py eagle3-variant "$variant")"
         [ "$trainer" = ours ] || continue
-        for seed in ${VARIANT_SEEDS:-$first}; do pids+=("$(qc ours "$seed" "v-$variant" $args)"); done
+        for seed in $seeds; do pids+=("$(qc ours "$seed" "v-$variant" $args)"); done
     done
     spec_first=${SPEC_SEEDS%% *}
     trains speculators && pids+=("$(qc speculators "$spec_first")")

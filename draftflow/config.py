@@ -319,7 +319,7 @@ OPERATIONAL_KEYS: dict[str, frozenset[str]] = {
 # EAGLE-3 train keys added after runs existed, with their defaults: at the default a key is left
 # out of the train rule's params and of the resume fingerprint, so earlier runs neither rerun nor
 # refuse to resume.
-TRAIN_KEYS_ADDED_LATER: dict[str, object] = {"target_temperature": 1.0, "freeze_lm_head": False}
+TRAIN_KEYS_ADDED_LATER: dict[str, object] = {"target_temperature": 1.0, "freeze_lm_head": False, "lm_head_lr_scale": 1.0}
 
 # Sub-sections a section's split descends into (every other value is a leaf).
 _NESTED = {"extract": ("sglang", "vllm"), "regenerate": ("openai",), "evaluate": ("server",)}

@@ -488,6 +488,7 @@ EAGLE3_TRAIN_KEYS = (
     "loss",
     "target_temperature",
     "freeze_lm_head",
+    "lm_head_lr_scale",
     "norm_before_fc",
     "norm_before_residual",
     "norm_output",

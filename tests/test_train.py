@@ -222,6 +222,40 @@ def test_freeze_lm_head_keeps_the_target_rows_and_trains_the_rest(world, tmp_pat
     assert torch.equal(saved.lm_head.weight, initial.lm_head.weight.to(torch.bfloat16).float())
 
 
+def test_lm_head_lr_scale_trains_the_head_at_its_share_of_the_rate(world):
+    """train.lm_head_lr_scale: the head is an optimizer group of its own at that share of the rate,
+    so Adam's first step moves it by that share of what the scale of 1 moves it; the rest moves
+    the same. At its default it leaves the settings' fingerprint (resume state) as before."""
+    from draftflow.hidden_states.storage import HiddenStateReader
+    from draftflow.drafters.vocab import load_vocab
+
+    assert "lm_head_lr_scale" not in TrainSettings.from_dict(settings()).fingerprint_dict()
+    assert TrainSettings.from_dict(settings(lm_head_lr_scale=0.25)).fingerprint_dict()["lm_head_lr_scale"] == 0.25
+    with pytest.raises(DraftflowError, match="'lm_head_lr_scale' must be > 0.*set freeze_lm_head: true"):
+        TrainSettings.from_dict(settings(lm_head_lr_scale=0))
+    with pytest.raises(DraftflowError, match="freeze_lm_head and lm_head_lr_scale both set"):
+        TrainSettings.from_dict(settings(lm_head_lr_scale=0.5, freeze_lm_head=True))
+    with pytest.raises(DraftflowError, match="lm_head_lr_scale apply to EAGLE-3 only"):
+        TrainSettings.from_dict(settings(method="dflash", dflash={}, lm_head_lr_scale=0.5))
+
+    reader = HiddenStateReader(world["train"])
+    moved = {}
+    for scale in (1.0, 0.25):
+        s = TrainSettings.from_dict(settings(lm_head_lr_scale=scale, warmup_ratio=0.0, schedule="constant"))
+        drafter, head, _ = build_drafter(s, world["target"], load_vocab(world["vocab"]))
+        before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
+        opt, sched = make_optimizer(drafter, s, total_steps=4, fused=False)
+        grouped = [p for g in opt.param_groups for p in g["params"]]
+        assert len(grouped) == len(set(map(id, grouped))) == sum(p.requires_grad for p in drafter.parameters())
+        assert len(opt.param_groups) == (2 if scale == 1.0 else 3)
+        model = TTTObjective(drafter, s.ttt_steps, s.step_weight_decay)
+        train_step(model, head, [collate([reader[i] for i in range(4)], s.ttt_steps)], opt, sched, DistEnv(), s.grad_clip)
+        moved[scale] = {n: (p.detach() - before[n]).abs().max().item() for n, p in drafter.named_parameters()}
+    # Adam's first update is lr * g / (|g| + eps): the same gradient, a quarter of the step
+    assert moved[0.25]["lm_head.weight"] == pytest.approx(0.25 * moved[1.0]["lm_head.weight"], rel=1e-3)
+    assert moved[0.25]["fc.weight"] == pytest.approx(moved[1.0]["fc.weight"], rel=1e-6)
+
+
 def test_ttt_attention_setting_is_validated():
     s = TrainSettings.from_dict(settings())
     assert s.ttt_attention == "auto" and "ttt_attention" not in s.fingerprint_dict()  # speed only: no rerun

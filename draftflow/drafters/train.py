@@ -92,6 +92,9 @@ class TrainSettings:
     target_temperature: float = 1.0
     # keep the draft LM head at the target's rows (speculators' recipe) instead of training it
     freeze_lm_head: bool = False
+    # the draft LM head's learning rate as a share of learning_rate: between the frozen head (0,
+    # freeze_lm_head) and one trained like the rest (1), for a head that overfits small data
+    lm_head_lr_scale: float = 1.0
     # speculators' EAGLE-3 recipe norms (drafters.eagle3.VARIANT_FLAGS); all off = SGLang's layout
     norm_before_fc: bool = False
     norm_before_residual: bool = False
@@ -133,7 +136,8 @@ class TrainSettings:
         s = cls(**values)
         if s.method == "dflash":
             DFlashSettings.from_dict(s.dflash)  # refuses unknown or invalid keys now, not mid-run
-            eagle_only = [k for k in (*VARIANT_FLAGS, "loss", "batching", "target_temperature", "freeze_lm_head")
+            eagle_only = [k for k in (*VARIANT_FLAGS, "loss", "batching", "target_temperature", "freeze_lm_head",
+                                                   "lm_head_lr_scale")
                           if getattr(s, k) != known[k].default]
             if eagle_only:
                 raise DraftflowError(
@@ -168,6 +172,16 @@ class TrainSettings:
         if s.target_temperature < 0:
             raise DraftflowError(
                 f"train --settings: 'target_temperature' must be >= 0 (0: the target's argmax), got {s.target_temperature}"
+            )
+        if s.lm_head_lr_scale <= 0:
+            raise DraftflowError(
+                f"train --settings: 'lm_head_lr_scale' must be > 0, got {s.lm_head_lr_scale}; "
+                "to keep the head at the target's rows set freeze_lm_head: true"
+            )
+        if s.freeze_lm_head and s.lm_head_lr_scale != 1.0:
+            raise DraftflowError(
+                "train --settings: freeze_lm_head and lm_head_lr_scale both set: a frozen head has no learning "
+                "rate; leave lm_head_lr_scale at 1"
             )
         return s
 
@@ -510,11 +524,15 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
 
 
 def make_optimizer(drafter: Eagle3Drafter, s: TrainSettings, total_steps: int, fused: bool):
-    params = [p for p in drafter.parameters() if p.requires_grad]
+    head = drafter.lm_head.weight if s.lm_head_lr_scale != 1.0 else None  # EAGLE-3 only (from_dict)
+    scaled_head = head is not None and head.requires_grad
+    params = [p for p in drafter.parameters() if p.requires_grad and not (scaled_head and p is head)]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": s.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # norms
     ]
+    if scaled_head:  # a third group only then: earlier checkpoints' optimizer state keeps two
+        groups.append({"params": [head], "weight_decay": s.weight_decay, "lr": s.learning_rate * s.lm_head_lr_scale})
     opt = torch.optim.AdamW(groups, lr=s.learning_rate, betas=(0.9, s.adam_beta2), fused=fused or None)
     warmup = round(s.warmup_ratio * total_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(
