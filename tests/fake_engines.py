@@ -393,8 +393,25 @@ def main(argv: list[str] | None = None) -> int:
     cache_off = getattr(args, "disable_radix_cache", False) or getattr(args, "no_enable_prefix_caching", False)
     cache = "prefix cache off" if cache_off else "prefix cache ON"
     print(f"fake {args.engine} {server.version} on {server.url}, K = {server.k}, dtype {args.dtype}, {cache}", flush=True)
+    ipc = bind_ipc_socket() if args.engine == "vllm" else None
     server.serve()
+    if ipc is not None:
+        ipc.close()  # the file stays, as vLLM's do
     return 0
+
+
+def bind_ipc_socket() -> socket.socket:
+    """As vLLM's `get_open_zmq_ipc_path`: a socket file named by a uuid4 in VLLM_RPC_BASE_PATH (else the
+    temp folder), left there when the server stops (vLLM 0.32 on the CPU leaves ~2 a launch)."""
+    import os
+    import tempfile
+    import uuid
+
+    path = os.path.join(os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir(), str(uuid.uuid4()))
+    ipc = socket.socket(socket.AF_UNIX)
+    ipc.bind(path)
+    print(f"ipc socket {path}", flush=True)
+    return ipc
 
 
 if __name__ == "__main__":

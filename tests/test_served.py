@@ -347,6 +347,11 @@ def test_launched_servers_one_per_k_plus_baseline_all_stopped(inputs, target, en
     assert "dtype bfloat16" in (inputs / "state" / "logs" / f"{engine}-baseline.log").read_text()
     for log_file in (inputs / "state" / "logs").iterdir():  # SGLang's radix cache too (issue 33)
         assert "prefix cache off" in log_file.read_text(), log_file.name
+    if engine == "vllm":  # the socket files vLLM leaves went with each server's own folder
+        sockets = [Path(line.split()[-1]) for f in (inputs / "state" / "logs").iterdir()
+                   for line in f.read_text().splitlines() if line.startswith("ipc socket ")]  # fmt: skip
+        assert len(sockets) == 3 and len({p.parent for p in sockets}) == 3
+        assert all(p.parent.name.startswith("draftflow-rpc-") and not p.parent.exists() for p in sockets), sockets
 
 
 @pytest.mark.parametrize("k", [3, 0])

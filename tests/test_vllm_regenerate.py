@@ -23,9 +23,11 @@ import ctypes
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -75,7 +77,9 @@ class VllmServer:
         with open(self.log_path, "ab") as log:
             log.write(f"\n==== start {self.starts}: {' '.join(self.argv)}\n".encode())
             log.flush()
-            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(),
+            self.rpc_dir = tempfile.mkdtemp(prefix="draftflow-rpc-")  # its socket files, removed at stop
+            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                            env={**vllm_env(), "VLLM_RPC_BASE_PATH": self.rpc_dir},
                                             start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
         return self
 
@@ -119,6 +123,7 @@ class VllmServer:
         except ProcessLookupError:
             pass
         self.process = None
+        shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

@@ -63,6 +63,7 @@ from draftflow.engines.layer_ids import (
     vllm_extraction_checked,
     vllm_layer_ids,
 )
+from draftflow.engines.servers import VLLM_RPC_PATH_ENV
 from draftflow.engines.sglang_capture import DTYPES, check_pinned_version, default_capture_dir
 
 log = logging.getLogger(__name__)
@@ -431,6 +432,9 @@ class VllmCaptureEngine:
         batch_tokens = int(settings.get("batch_tokens", 16384))
         model_len = max_model_len_for(batch_tokens, config)
         capture_dir = default_capture_dir()
+        if VLLM_RPC_PATH_ENV not in os.environ:  # its engine core's socket files go when the folder does
+            (capture_dir / "rpc").mkdir()
+            os.environ[VLLM_RPC_PATH_ENV] = str(capture_dir / "rpc")
         # A release whose numbering was not read in its source is checked at run time: also
         # ask for id 0 (the embeddings) and compare it with the checkpoint's rows.
         probe = not vllm_extraction_checked(installed)

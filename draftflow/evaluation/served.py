@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +31,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from draftflow.engines.servers import VLLM_RPC_PATH_ENV
 from draftflow.engines.sglang_http import server_info as sglang_server_info
 from draftflow.errors import DraftflowError, reject_unknown_keys
 from draftflow.evaluation.engine_counters import (
@@ -310,13 +313,23 @@ def server_argv(
 
 
 class LaunchedServer:
-    """A server process in its own session: started, waited for (GET /health), always stopped."""
+    """A server process in its own session: started, waited for (GET /health), always stopped.
+    Unless the environment names one, the server's IPC socket files go to a folder of its own,
+    removed once it has stopped."""
 
     def __init__(self, argv: list[str], url: str, log_path: Path, startup_timeout_s: float,
                  env: dict[str, str] | None = None):  # fmt: skip
         self.argv, self.url, self.log_path, self.startup_timeout_s = argv, url, log_path, startup_timeout_s
         self.env = env
         self.process: subprocess.Popen | None = None
+        self.rpc_dir: Path | None = None
+
+    def _process_env(self) -> dict[str, str]:
+        env = dict(os.environ if self.env is None else self.env)
+        if VLLM_RPC_PATH_ENV not in env:
+            self.rpc_dir = Path(tempfile.mkdtemp(prefix="draftflow-rpc-"))
+            env[VLLM_RPC_PATH_ENV] = str(self.rpc_dir)
+        return env
 
     def __enter__(self) -> "LaunchedServer":
         host, port = self.url.split("//")[1].rsplit(":", 1)
@@ -332,8 +345,9 @@ class LaunchedServer:
         with open(self.log_path, "ab") as out:
             try:
                 self.process = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                                env=self.env, preexec_fn=die_with_parent)  # fmt: skip
+                                                env=self._process_env(), preexec_fn=die_with_parent)  # fmt: skip
             except FileNotFoundError:
+                self._remove_rpc_dir()
                 raise DraftflowError(
                     f"cannot launch {self.argv[0]!r}: not found. Install the engine in this environment or set "
                     "evaluate.server.launcher (or give a running server in evaluate.server.endpoint)"
@@ -366,16 +380,21 @@ class LaunchedServer:
         )
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)  # the engine's workers are in its session
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=30)
-        except ProcessLookupError:
-            pass
+        if self.process is not None and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)  # the engine's workers are in its session
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+        self._remove_rpc_dir()
+
+    def _remove_rpc_dir(self) -> None:
+        if self.rpc_dir is not None:
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+            self.rpc_dir = None
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
