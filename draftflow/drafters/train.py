@@ -136,9 +136,8 @@ class TrainSettings:
         s = cls(**values)
         if s.method == "dflash":
             DFlashSettings.from_dict(s.dflash)  # refuses unknown or invalid keys now, not mid-run
-            eagle_only = [k for k in (*VARIANT_FLAGS, "loss", "batching", "target_temperature", "freeze_lm_head",
-                                                   "lm_head_lr_scale")
-                          if getattr(s, k) != known[k].default]
+            eagle_keys = (*VARIANT_FLAGS, "loss", "batching", "target_temperature", "freeze_lm_head", "lm_head_lr_scale")
+            eagle_only = [k for k in eagle_keys if getattr(s, k) != known[k].default]
             if eagle_only:
                 raise DraftflowError(
                     f"train --settings: {', '.join(eagle_only)} apply to EAGLE-3 only; DFlash trains with "
