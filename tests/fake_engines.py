@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def bind_ipc_socket() -> socket.socket:
     """As vLLM's `get_open_zmq_ipc_path`: a socket file named by a uuid4 in VLLM_RPC_BASE_PATH (else the
-    temp folder), left there when the server stops (vLLM 0.32 on the CPU leaves ~2 a launch)."""
+    temp folder), left there when the server stops (vLLM 0.32 on the CPU leaves 2-3 a launch)."""
     path = os.path.join(os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir(), str(uuid.uuid4()))
     ipc = socket.socket(socket.AF_UNIX)
     ipc.bind(path)

@@ -43,7 +43,7 @@ from draftflow.errors import DraftflowError
 log = logging.getLogger(__name__)
 
 # vLLM binds its processes' ZMQ sockets as files in this folder (default: the temp folder) and leaves
-# them there when it stops: ~2 a launch, thousands on a shared /tmp over a run. Where the user has not
+# them there when it stops: 2-3 a launch, thousands on a shared /tmp over time. Where the user has not
 # set it, the processes we start get a folder of their own, removed when they have stopped.
 VLLM_RPC_PATH_ENV = "VLLM_RPC_BASE_PATH"
 
