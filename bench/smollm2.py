@@ -410,7 +410,8 @@ EAGLE3_VARIANTS = {
     "clip1": ["ours", "--set", "train.grad_clip=1.0"],
     "nbfc": ["ours", "--set", "train.norm_before_fc=true"],
     # the head trained at a quarter of the rate: between the frozen head (0.09 below in simulated tau)
-    # and ours' trained one, which fits its training data far better than the eval split
+    # and ours' trained one, which fits its training data far better than the eval split (session 17:
+    # 0.05 below too; BENCHMARKS.md)
     "head25": ["ours", "--set", "train.lm_head_lr_scale=0.25"],
     "lk": ["ours", "--set", "train.loss=lk"],
     "no-norm-output": ["ours", "--set", "train.norm_output=false"],
