@@ -28,6 +28,7 @@ heads' gradients can be compared (our default trains it).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -57,7 +58,6 @@ x = load_file(io)
 state = load_file(ckpt + "/model.safetensors")
 state.update({"embed_tokens.weight": x["embed"], "verifier_lm_head.weight": x["lm_head"],
               "verifier_norm.weight": x["final_norm"]})
-own = model.state_dict()
 missing, unexpected = model.load_state_dict(state, strict=False)
 assert not unexpected and set(missing) <= {"d2t", "t2d"}, (missing, unexpected)
 model = model.float().train()
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
         ours_mask = torch.cat([torch.zeros(1, 2, dtype=torch.bool), mask[:, : T - 1]], 1)  # m_o[j+2+k] = m_s[j+k]
         drafter = drafter.float().train()
         info = TargetHead(target["lm_head.weight"].float(), torch.from_numpy(full.t2d))(ours_final)
-        kl_terms = lambda *args: step_terms(*args, loss=losses.kl)  # noqa: E731
+        kl_terms = functools.partial(step_terms, loss=losses.kl)
         result = ttt_loss(drafter, ours_ids, ours_mask, ours_aux, info, a.ttt_steps, a.decay, terms=kl_terms)
         result.loss.backward()
 
