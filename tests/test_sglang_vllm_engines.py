@@ -449,6 +449,25 @@ def test_vllm_engine_capture_matches_the_hf_engine(tmp_path, target, reference):
     assert not list(tmp_path.iterdir())  # files and locks removed
 
 
+def test_vllm_engine_close_removes_its_capture_folder_and_socket_setting(tmp_path, target, monkeypatch):
+    """from_settings points vLLM's socket files into the capture folder; close removes both, so that
+    a later engine in the same process does not inherit a folder that is gone. A user's own setting stays."""
+    weight = V.final_norm_weight(target, LLAMA)
+
+    def engine(capture_dir):
+        return V.VllmCaptureEngine(None, "params", LLAMA, NUM_LAYERS, HIDDEN, AUX, torch.float32, weight, 1e-6,
+                                   capture_dir, "0.25.1", owns_capture_dir=True)  # fmt: skip
+
+    ours = tmp_path / "capture"
+    (ours / "rpc").mkdir(parents=True)
+    monkeypatch.setenv(V.VLLM_RPC_PATH_ENV, str(ours / "rpc"))
+    engine(ours).close()
+    assert not ours.exists() and V.VLLM_RPC_PATH_ENV not in os.environ
+    monkeypatch.setenv(V.VLLM_RPC_PATH_ENV, str(tmp_path / "users"))
+    engine(tmp_path / "capture2").close()
+    assert os.environ[V.VLLM_RPC_PATH_ENV] == str(tmp_path / "users")
+
+
 def test_sglang_server_mode_checks_the_running_server(tmp_path):
     """`/server_info` of a server started by scripts/launch_sglang.sh extract (recorded fields)."""
     info = {

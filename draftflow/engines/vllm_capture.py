@@ -523,6 +523,8 @@ class VllmCaptureEngine:
         self.llm = None
         if self._owns_dir:
             shutil.rmtree(self.capture_dir, ignore_errors=True)
+            if os.environ.get(VLLM_RPC_PATH_ENV) == str(self.capture_dir / "rpc"):  # set by from_settings
+                del os.environ[VLLM_RPC_PATH_ENV]  # a later engine in this process gets a folder of its own
 
 
 # ---------------------------------------------------------------- command line (for scripts/launch_vllm.sh)
