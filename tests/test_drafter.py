@@ -176,6 +176,26 @@ def test_kv_cache_crop_allows_redrafting():
     torch.testing.assert_close(again, full[:, 4:6])
 
 
+def test_step_only_at_gives_each_rows_chosen_position_and_the_same_cache():
+    """only_at (what drafting uses: each row's last fed state) equals the full step's rows at those
+    positions, and the cache it leaves drafts the next token as the full step's does."""
+    model = tiny_drafter(layers=2)
+    ids, aux = batch(5, B=3, T=8)
+    positions = torch.arange(6)[None].expand(3, 6)
+    at = torch.tensor([5, 2, 0])
+    with torch.no_grad():
+        full, full_out, full_cache = model.step(ids[:, 1:7], model.fuse(aux[:, :6]), positions)
+        some, some_out, some_cache = model.step(ids[:, 1:7], model.fuse(aux[:, :6]), positions, only_at=at)
+        rows = torch.arange(3)
+        assert some.shape == (3, 1, VD) and some_out.shape == (3, 1, H)
+        torch.testing.assert_close(some[:, 0], full[rows, at])
+        torch.testing.assert_close(some_out[:, 0], full_out[rows, at])
+        draft = full[rows, at].argmax(-1)[:, None]
+        nxt = [model.step(draft, out, torch.full((3, 1), 6), cache)[0] for out, cache in
+               ((full_out[rows, at][:, None], full_cache), (some_out, some_cache))]  # fmt: skip
+    torch.testing.assert_close(nxt[1], nxt[0])
+
+
 def make_target(model: Eagle3Drafter, final: torch.Tensor, seed: int = 0) -> TargetInfo:
     torch.manual_seed(seed)
     head = TargetHead(torch.randn(V, H, dtype=torch.float64), model.t2d)

@@ -609,15 +609,26 @@ class Eagle3Drafter(nn.Module):
         return self.fc(aux)
 
     def forward_hidden(
-        self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache: AttentionCache
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: AttentionCache,
+        only_at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids [B, S], hidden [B, S, H], position_ids [B, S] -> (logits [B, S, Vd], out [B, S, H])."""
+        """input_ids [B, S], hidden [B, S, H], position_ids [B, S] -> (logits [B, S, Vd], out [B, S, H]).
+
+        only_at [B]: one position per row whose logits and out are wanted -> [B, 1, Vd], [B, 1, H].
+        Drafting needs only each row's last fed position, and the head over a whole batch of prompts
+        is B * S * Vd floats (80 prompts of 1,000 tokens at Vd 32,000: 10 GB)."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary(position_ids)
         x, residual = self.midlayer(embeds, hidden, cos, sin, cache, 0)
         for i, layer in self.layers.items():
             x, residual = layer(x, residual, cos, sin, cache, int(i))
         out = x + residual  # pre-norm: fed back as the next draft step's hidden state
+        if only_at is not None:
+            out = out[torch.arange(out.shape[0], device=out.device), only_at][:, None]  # [B, 1, H]
         normed = self.norm(out)
         return self.lm_head(normed), (normed if self.config.norm_output else out)
 
@@ -627,15 +638,17 @@ class Eagle3Drafter(nn.Module):
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
         cache: KVCache | None = None,
+        only_at: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
         """One inference call (see the class docstring).
 
         input_ids [B, S] target ids; hidden [B, S, H]: `fuse(aux)` for target-derived rows, or
-        the previous call's `out` for drafted rows; position_ids [B, S].
-        Returns (draft logits [B, S, Vd], out hidden [B, S, H], cache).
+        the previous call's `out` for drafted rows; position_ids [B, S]; only_at [B]: see
+        `forward_hidden` (every row still enters the cache).
+        Returns (draft logits [B, S, Vd], out hidden [B, S, H], cache); [B, 1, …] with only_at.
         """
         cache = KVCache(self.num_layers) if cache is None else cache
-        logits, out = self.forward_hidden(input_ids, hidden, position_ids, cache)
+        logits, out = self.forward_hidden(input_ids, hidden, position_ids, cache, only_at)
         return logits, out, cache
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:

@@ -229,12 +229,10 @@ class BatchedEagle3Proposer:
                 aux[b, :n] = a.to(self.device)
         positions = self.positions[:, None] + torch.arange(S, device=self.device)[None]  # [B, S]
         self.cache.append(torch.arange(S, device=self.device)[None] < counts[:, None])
-        logits, out, _ = self.drafter.step(ids, self.drafter.fuse(aux), positions, self.cache)
-        self.positions += counts
+        last = (counts - 1).clamp(min=0)  # each row's last fed state gives its first draft
+        logits, hidden, _ = self.drafter.step(ids, self.drafter.fuse(aux), positions, self.cache, only_at=last)
+        self.positions += counts  # logits [B, 1, Vd], hidden [B, 1, H]
         self._fed = self.cache.valid.shape[1]
-        last = (counts - 1).clamp(min=0)
-        rows = torch.arange(B, device=self.device)
-        logits, hidden = logits[rows, last][:, None], out[rows, last][:, None]  # [B, 1, Vd], [B, 1, H]
         drafts: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []  # sampling: per draft position, [B, Vd]
         choices: list[torch.Tensor] = []

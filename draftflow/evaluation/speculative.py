@@ -191,7 +191,8 @@ class Eagle3Proposer:
         ids = torch.tensor([tokens[n + 1 : n + 1 + S]], device=self.device)  # [1, S]: token after each state
         positions = torch.arange(n, n + S, device=self.device)[None]  # [1, S]
         hidden = self.drafter.fuse(new_aux[None].to(self.device))  # [1, S, H]
-        logits, out, _ = self.drafter.step(ids, hidden, positions, self.cache)
+        last = torch.tensor([S - 1], device=self.device)  # the first draft comes from the last state
+        logits, out, _ = self.drafter.step(ids, hidden, positions, self.cache, only_at=last)  # [1, 1, Vd]
         self.rows = n + S
         drafts: list[int] = []  # k = 0: the rows are fed, nothing is drafted
         qs: list[torch.Tensor] = []
