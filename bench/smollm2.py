@@ -478,14 +478,20 @@ def evalqueue(a) -> None:
         return [(j, drafters[j[0]]) for j in jobs if j not in done and j not in running
                 and not (w / "evals" / j[0] / f"{j[1]}-T{j[2]:g}" / "acceptance.json").is_file()]
 
+    cap = a.jobs  # lowered when the device runs out of memory: that job runs again, fewer beside it
     while time.monotonic() < end:
         for job, proc in list(running.items()):
             if proc.poll() is not None:
                 del running[job]
-                done.add(job)
                 print(f"[evalqueue] {'/'.join(map(str, job))}: exit {proc.returncode}", file=sys.stderr, flush=True)
+                alone = cap == 1 and not running  # out of memory alone: it never fits, give up on it
+                if proc.returncode != 0 and not alone and out_of_memory(eval_log(w, job)):
+                    cap = max(1, len(running))
+                    print(f"[evalqueue] out of device memory: again, at most {cap} at a time", file=sys.stderr, flush=True)
+                else:
+                    done.add(job)
         training = a.training_flag is not None and a.training_flag.exists()
-        limit = a.jobs_training if training else a.jobs
+        limit = min(cap, a.jobs_training if training else a.jobs)
         todo = pending()
         for job, drafter in todo[: max(0, limit - len(running))]:
             label, ps, t = job
@@ -493,7 +499,7 @@ def evalqueue(a) -> None:
             # prompt lookup is the same for every drafter: measured once per cell, with the drafter
             # named by --prompt-lookup-with (DFlash by default: its full block's K too)
             lookup = [] if label == a.prompt_lookup_with else ["--set", "evaluate.prompt_lookup=false"]
-            with open(w / f"eval-{label}-{ps}-{t:g}.log", "w") as log:
+            with open(eval_log(w, job), "w") as log:
                 running[job] = subprocess.Popen(
                     [sys.executable, str(REPO / "bench" / "real_target.py"), "evaluate", "--results", str(w / "results"),
                      "--config", str(w / "config.yaml"), "--drafter", str(drafter), "--prompt-set", ps,
@@ -505,6 +511,17 @@ def evalqueue(a) -> None:
     for proc in running.values():  # the deadline: what is still running is lost, what finished is kept
         os.killpg(proc.pid, signal.SIGKILL)
     print(f"[evalqueue] deadline: killed {len(running)} running evaluations", file=sys.stderr, flush=True)
+
+
+def eval_log(work: Path, job: tuple) -> Path:
+    """The log of one evaluation job (label, prompt set, temperature)."""
+    label, prompt_set, temperature = job
+    return work / f"eval-{label}-{prompt_set}-{temperature:g}.log"
+
+
+def out_of_memory(log: Path) -> bool:
+    """Whether an evaluation's log ends in torch's CUDA out-of-memory error."""
+    return log.is_file() and "OutOfMemoryError" in log.read_text(errors="replace")[-20000:]
 
 
 def drafter_label(path: str) -> str:
