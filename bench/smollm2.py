@@ -476,7 +476,7 @@ def evalqueue(a) -> None:
         drafters = trained_drafters(w)
         jobs = [(label, ps, t) for ps, t in cells for label in drafters]
         return [(j, drafters[j[0]]) for j in jobs if j not in done and j not in running
-                and not (w / "evals" / j[0] / f"{j[1]}-T{j[2]:g}" / "acceptance.json").is_file()]
+                and not (eval_dir(w, j) / "acceptance.json").is_file()]
 
     cap = a.jobs  # lowered when the device runs out of memory: that job runs again, fewer beside it
     while time.monotonic() < end:
@@ -495,7 +495,7 @@ def evalqueue(a) -> None:
         todo = pending()
         for job, drafter in todo[: max(0, limit - len(running))]:
             label, ps, t = job
-            out = w / "evals" / label / f"{ps}-T{t:g}"
+            out = eval_dir(w, job)
             # prompt lookup is the same for every drafter: measured once per cell, with the drafter
             # named by --prompt-lookup-with (DFlash by default: its full block's K too)
             lookup = [] if label == a.prompt_lookup_with else ["--set", "evaluate.prompt_lookup=false"]
@@ -511,6 +511,12 @@ def evalqueue(a) -> None:
     for proc in running.values():  # the deadline: what is still running is lost, what finished is kept
         os.killpg(proc.pid, signal.SIGKILL)
     print(f"[evalqueue] deadline: killed {len(running)} running evaluations", file=sys.stderr, flush=True)
+
+
+def eval_dir(work: Path, job: tuple) -> Path:
+    """The output folder of one evaluation job (label, prompt set, temperature)."""
+    label, prompt_set, temperature = job
+    return work / "evals" / label / f"{prompt_set}-T{temperature:g}"
 
 
 def eval_log(work: Path, job: tuple) -> Path:
