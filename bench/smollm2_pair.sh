@@ -11,7 +11,8 @@
 #   PAIR_A="REGENERATED=/tmp/smol/data/x.jsonl.gz TRAINERS=none DFLASH_VARIANTS=l1-dpace"
 # Run after the two `stash` calls: the wheels are installed once there, and these runs skip installing
 # so that neither rewrites /tmp/site while the other imports from it. CORES (default 8) is each run's.
-# The deadline's kill in smollm2_call.sh is by process name, so it ends both runs: give both the same DEADLINE.
+# smollm2_call.sh kills by process name at its deadline and when its data stages fail, so either ends the
+# other run's jobs too: both take the same DEADLINE, and a failed data stage means rerunning the pair.
 set -u
 [ -d /tmp/smol-b ] || cp -r /tmp/smol /tmp/smol-b
 export SKIP_INSTALL=1 CORES=${CORES:-8}
