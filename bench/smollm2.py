@@ -473,7 +473,7 @@ def evalqueue(a) -> None:
     cells += [(ps, t) for t in a.temps if t not in (0, 1) for ps in sets]
 
     def pending() -> list[tuple]:
-        drafters = trained_drafters(w)
+        drafters = {label: d for label, d in trained_drafters(w).items() if not a.only or label in a.only}
         jobs = [(label, ps, t) for ps, t in cells for label in drafters]
         return [(j, drafters[j[0]]) for j in jobs if j not in done and j not in running
                 and not (eval_dir(w, j) / "acceptance.json").is_file()]
@@ -622,6 +622,7 @@ def main(argv=None) -> int:
     e.add_argument("--temps", nargs="+", type=float, default=[0, 1])
     e.add_argument("--device", default="cuda")
     e.add_argument("--prompt-lookup-with", default="dflash-s0", help="the one drafter label whose jobs measure prompt lookup")
+    e.add_argument("--only", nargs="*", default=[], help="evaluate only these drafter labels (default: every trained one)")
     o = sub.add_parser("collect")
     o.add_argument("--work", type=Path, required=True)
     o.add_argument("--out", type=Path, required=True)

@@ -29,6 +29,9 @@
 #          a killed training resumes from its last checkpoint (ours every train.save_every_steps,
 #          speculators every tenth of an epoch), a killed evaluation starts again.
 #
+# EVAL_ONLY="<label> …": evaluate only those drafters. A RESUME=1 call otherwise evaluates every drafter
+# trained in the work folder on its SETS and TEMPS, also those an earlier call trained for another item
+# (session 20: two ours' GSM8K jobs took the GPU from a DFlash training beside them, 1.6 steps/s, not ~3).
 # Everything is killed at DEADLINE seconds (default 540); what finished is in $OUT/figures.json.
 # MPS=1: the call's processes share the GPU through an MPS daemon of its own (see below; not yet run).
 # RETURN_DRAFTER=<label> (e.g. ours-s0): that drafter also comes back, as drafter-<label>.tar.part.NN
@@ -128,7 +131,7 @@ evalqueue() {  # every trained drafter evaluated (bench/smollm2.py evalqueue) un
     python3 bench/smollm2.py evalqueue --work "$W" --seconds $((DEADLINE - $(elapsed) - 5)) --jobs ${JOBS:-4} \
         --jobs-training ${JOBS_TRAINING:-2} --training-flag "$W/training.flag" --device "$DEVICE" \
         ${SETS:+--sets $SETS} ${TEMPS:+--temps $TEMPS} ${PROMPT_LOOKUP_WITH:+--prompt-lookup-with "$PROMPT_LOOKUP_WITH"} \
-        > "$W/logs-evalqueue.txt" 2>&1
+        ${EVAL_ONLY:+--only $EVAL_ONLY} > "$W/logs-evalqueue.txt" 2>&1
 }
 
 qc() {  # TRAINER SEED [LABEL [ARGS…]]: one trainer at one seed, its own process group
