@@ -29,6 +29,8 @@
 #          a killed training resumes from its last checkpoint (ours every train.save_every_steps,
 #          speculators every tenth of an epoch), a killed evaluation starts again.
 #
+# STORAGE=fp8: the hidden states stored as fp8 (extract.storage), not lossless; a word without spaces, so
+# that one run of bench/smollm2_pair.sh can take it in PAIR_A / PAIR_B where OVERRIDES (shared) cannot.
 # EVAL_ONLY="<label> …": evaluate only those drafters. A RESUME=1 call otherwise evaluates every drafter
 # trained in the work folder on its SETS and TEMPS, also those an earlier call trained for another item
 # (session 20: two ours' GSM8K jobs took the GPU from a DFlash training beside them, 1.6 steps/s, not ~3).
@@ -164,7 +166,8 @@ elif [ "$mode" = data ] || [ "$mode" = datatrain ] || [ "$mode" = all ]; then
         > "$W/logs-convert.txt" 2>&1 || { note "conversion failed"; tail -20 "$W/logs-convert.txt"; exit 1; }
     note "converted: $(tail -c 300 "$W/logs-convert.txt" | tr '\n' ' ')"
     python3 bench/smollm2.py configs --work "$W" --model "$W/real/smollm2-135m-instruct" --data "$S/data" \
-        ${TINY:+--tiny} ${REGENERATED:+--regenerated "$REGENERATED"} ${OVERRIDES:-} || exit 1
+        ${TINY:+--tiny} ${REGENERATED:+--regenerated "$REGENERATED"} ${OVERRIDES:-} \
+        ${STORAGE:+--override "extract.storage=\"$STORAGE\""} || exit 1
     # Snakemake answers SIGTERM by waiting for its running jobs (2026-12-03: regenerate ran on past the
     # call's end), so its jobs get their own kill at the deadline
     timeout -k 10 $((${DATA_DEADLINE:-$DEADLINE} - $(elapsed) - 20)) "${SMK[@]}" --configfile="$W/config.yaml" \
