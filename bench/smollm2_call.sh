@@ -61,6 +61,15 @@ mkdir -p "$S" "$OUT"
 elapsed() { echo $(($(date +%s) - T0)); }
 note() { echo "[smollm2 $mode $(elapsed)s] $*" | tee -a "$OUT/calllog.txt" >&2; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TQDM_DISABLE=1 OMP_WAIT_POLICY=PASSIVE
+# every process this run starts inherits SMOLLM2_RUN; kill_run ends those and no other run's (a pair's)
+export SMOLLM2_RUN="$W"
+kill_run() {  # PATTERN: kill this run's processes whose command line matches it
+    local pid
+    for pid in $(pgrep -f "$1"); do
+        tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qxF "SMOLLM2_RUN=$W" && kill "$pid" 2>/dev/null
+    done
+    return 0
+}
 [ "$DEVICE" = cuda ] && export CUDA_VISIBLE_DEVICES=0
 # MPS=1 (not yet run on the H200): one MPS control daemon of this call's own, so that the side-by-side
 # processes' small kernels share the GPU instead of time-slicing it (the batch-1 evaluations, 2026-12-05);
@@ -118,7 +127,7 @@ wait_all() {  # wait for the given pids, killing them at the deadline
         if [ "$(elapsed)" -ge "$DEADLINE" ]; then
             note "deadline: killing what still runs"
             for p in "$@"; do kill -- -"$p" 2>/dev/null || kill "$p" 2>/dev/null; done
-            pkill -f 'draftflow\.cli|-m snakemake|speculators\.train|bench/quality_compare|bench/real_target' 2>/dev/null
+            kill_run 'draftflow\.cli|-m snakemake|speculators\.train|bench/quality_compare|bench/real_target'
             sleep 2
             return 1
         fi
@@ -172,7 +181,7 @@ elif [ "$mode" = data ] || [ "$mode" = datatrain ] || [ "$mode" = all ]; then
     # call's end), so its jobs get their own kill at the deadline
     timeout -k 10 $((${DATA_DEADLINE:-$DEADLINE} - $(elapsed) - 20)) "${SMK[@]}" --configfile="$W/config.yaml" \
         "$W/results/hidden_states/data_config.json" "$W/results/vocab/draft_vocab.safetensors" \
-        > "$W/logs-data.txt" 2>&1 || { pkill -f 'draftflow\.cli|bin/draftflow'; note "data stages failed or ran out of time";
+        > "$W/logs-data.txt" 2>&1 || { kill_run 'draftflow\.cli|bin/draftflow'; note "data stages failed or ran out of time";
                                       tail -40 "$W/logs-data.txt"; collect; exit 1; }
     note "data stages done"
     ln -sfn "$W/real/smollm2-135m-instruct" "$W/results/target"

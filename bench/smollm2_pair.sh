@@ -11,8 +11,9 @@
 #   PAIR_A="REGENERATED=/tmp/smol/data/x.jsonl.gz TRAINERS=none DFLASH_VARIANTS=l1-dpace"
 # Run after the two `stash` calls: the wheels are installed once there, and these runs skip installing
 # so that neither rewrites /tmp/site while the other imports from it. CORES (default 8) is each run's.
-# smollm2_call.sh kills by process name at its deadline and when its data stages fail, so either ends the
-# other run's jobs too: both take the same DEADLINE, and a failed data stage means rerunning the pair.
+# At its deadline, or when its data stages fail, a run kills only its own processes (those that inherit
+# its SMOLLM2_RUN), so the two may take different DEADLINEs (in PAIR_A / PAIR_B) and one run's failure
+# leaves the other running.
 set -u
 [ -d /tmp/smol-b ] || cp -r /tmp/smol /tmp/smol-b
 export SKIP_INSTALL=1 CORES=${CORES:-8}
