@@ -40,6 +40,7 @@ forward and input gradient). Tokens/s counts sample tokens (as EAGLE-3's), not b
     python bench/train_throughput.py --tiny [--method dflash]   # any machine, seconds (CPU if no CUDA)
     python bench/train_throughput.py --verify-reads both   # the cost of read-time checksums, side by side
     python bench/train_throughput.py --lengths mixed --batching padded   # mixed lengths, as before packing
+    python bench/train_throughput.py --method dflash --shape smollm2-135m --dflash-layers 1 --dflash-labels soft
 
 Prints one JSON line.
 """
@@ -61,6 +62,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
+from draftflow.config import default_aux_layer_ids  # noqa: E402
 from draftflow.drafters.dflash import DFlashConfig, DFlashDrafter, loss_decay, spread_target_layer_ids  # noqa: E402
 from draftflow.drafters.dflash_loss import ArgmaxHead, DFlashObjective  # noqa: E402
 from draftflow.drafters.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
@@ -79,12 +81,20 @@ LLAMA_31_8B = {
 LLAMA_31_8B["num_hidden_layers"] = 32
 TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
         "vocab_size": 1024, "rms_norm_eps": 1e-5, "max_position_embeddings": 1024, "num_hidden_layers": 8}  # fmt: skip
+SMOLLM2_135M = {  # issue 32's real target (bench/README.md §6): what its DFlash recipes train against
+    "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536,
+    "vocab_size": 49152, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "rope_theta": 100000.0,
+    "num_hidden_layers": 30,
+}  # fmt: skip
+SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "smollm2-135m": SMOLLM2_135M}
 PEAK_BF16_TFLOPS = {"H200": 989.5, "H100": 989.5, "A100": 312.0}  # dense, SXM
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny shapes: a quick check on CPU")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b",
+                   help="the target's shape (--tiny overrides it); smollm2-135m: 576 wide, vocabulary 49,152")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default 2048; tiny 128)")
     p.add_argument("--batch-tokens", type=int, help="tokens per step (default 16384, dflash 8192; tiny 512)")
     p.add_argument("--samples", type=int, help="samples on disk (default 48; tiny 16)")
@@ -247,7 +257,7 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if cuda else "cpu")
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
-    shape = TINY if a.tiny else LLAMA_31_8B
+    shape = TINY if a.tiny else SHAPES[a.shape]
     dtype = torch.bfloat16 if cuda else torch.float32
     compiled = use_compile({"on": True, "off": False}.get(a.compile, "auto"), device)
     # soft labels run the eager chunk passes (DFlashObjective turns the fused ones off for them)
@@ -258,7 +268,7 @@ def main(argv=None) -> None:
         cfg, drafter, head = build_dflash(a, shape, device, dtype)
         aux_ids = tuple(cfg.target_layer_ids)
     else:
-        aux_ids = (1, 15, 28)
+        aux_ids = (1, 15, 28) if shape is LLAMA_31_8B else tuple(default_aux_layer_ids(shape["num_hidden_layers"]))
         cfg = Eagle3Config.from_target(shape, draft_vocab_size=a.draft_vocab, aux_layer_ids=list(aux_ids),
                                        ttt_steps=a.ttt_steps)  # fmt: skip
     H, V = cfg.hidden_size, cfg.vocab_size
@@ -378,7 +388,7 @@ def main(argv=None) -> None:
         "bench": "train_throughput",
         "device": name,
         "torch": torch.__version__,
-        "shape": "tiny" if a.tiny else "llama-3.1-8b",
+        "shape": "tiny" if a.tiny else a.shape,
         "method": a.method, "dflash_labels": a.dflash_labels if a.method == "dflash" else None,
         "hidden_size": H, "target_vocab": V,
         **({"draft_layers": a.dflash_layers, "block_size": a.block_size, "anchors_per_sample": a.anchors,

@@ -226,8 +226,8 @@ def test_linear_cross_entropy_equals_full_logits_cross_entropy(passes):
 
 
 def test_soft_linear_cross_entropy_equals_full_logits_cross_entropy_against_the_target():
-    """labels "soft": the CE against softmax(target_rows @ weight.T), in chunks both ways, equals
-    -Σ p log softmax(z) from full logits with its gradient; the third output is the hard CE of the
+    """labels "soft": the CE against softmax(target_rows @ weight.T), in chunks, its row gradients
+    taken in forward, equals -Σ p log softmax(z) from full logits with its gradient; the third output is the hard CE of the
     target's greedy token (D-PACE's confidence), and the argmax is the drafter's."""
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
@@ -248,6 +248,9 @@ def test_soft_linear_cross_entropy_equals_full_logits_cross_entropy_against_the_
     torch.testing.assert_close(label_ce, F.cross_entropy(logits.detach(), greedy, reduction="none"))
     assert torch.equal(pred, logits.argmax(-1))
     assert not torch.allclose(ce, label_ce)  # the soft CE is not the argmax's
+    with torch.no_grad():  # evaluation takes no row gradients: the same three outputs
+        for got, want in zip(LinearCrossEntropy.apply(hidden, weight, greedy, 8, None, target_rows), (ce, pred, label_ce)):
+            torch.testing.assert_close(got, want.detach())
     with pytest.raises(ValueError, match="soft labels run the eager chunk passes"):
         LinearCrossEntropy.apply(hidden, weight, greedy, 8, FusedChunks(ce_chunk_stats, ce_chunk_grad), target_rows)
 

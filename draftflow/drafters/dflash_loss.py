@@ -30,8 +30,9 @@ Notation: tokens x_0 .. x_{T-1}, loss mask m_t, the target's greedy token g_{t+1
   a prefix), so α_k = P(row k hits | rows < k hit) and τ = 1 + Σ_k Π_{j≤k} α_j, K = B - 1.
 
 The logits cover the target's whole vocabulary (the engines use the target's LM head), so the
-cross-entropy runs in row chunks and recomputes the logits in backward (`LinearCrossEntropy`):
-memory O(chunk × V), not O(rows × V).
+cross-entropy runs in row chunks (`LinearCrossEntropy`): memory O(chunk × V), not O(rows × V).
+With hard labels backward recomputes the logits; with soft labels forward takes each row's
+gradient as well (three [c, H] × [H, V] products a chunk instead of five).
 """
 
 from __future__ import annotations
@@ -140,14 +141,22 @@ def ce_chunk_stats(z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torc
     return lse, lse - z.gather(1, y[:, None])[:, 0], z.argmax(-1)
 
 
-def soft_ce_chunk_stats(z: torch.Tensor, z_target: torch.Tensor, y: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """One chunk's forward against the target's distribution: drafter logits z and target logits
-    z_target [c, V], the target's greedy tokens y [c] -> (log-sum-exp [c], soft cross-entropy
-    -Σ p log softmax(z) [c], argmax [c], hard cross-entropy of y [c]: D-PACE's confidence)."""
+def soft_ce_chunk(z: torch.Tensor, z_target: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """One chunk against the target's distribution, forward and backward in one go: drafter logits
+    z and target logits z_target [c, V] (both overwritten), the target's greedy tokens y [c] ->
+    (soft cross-entropy -Σ p log softmax(z) [c], argmax [c], hard cross-entropy of y [c]: D-PACE's
+    confidence, and with `weight` [V, H] the row gradient dCE/dhidden = (softmax(z) - p) @ weight
+    [c, H]). Each row's CE depends on its own hidden row only, so that gradient, scaled by the
+    upstream gradient, is the backward: no logits recomputed later (3 matmuls a chunk, not 5)."""
     lse = torch.logsumexp(z, dim=-1)
-    p = torch.softmax(z_target, dim=-1)
-    return lse, lse - (p * z).sum(-1), z.argmax(-1), lse - z.gather(1, y[:, None])[:, 0]
+    pred, label_ce = z.argmax(-1), lse - z.gather(1, y[:, None])[:, 0]
+    p = z_target.sub_(torch.logsumexp(z_target, dim=-1, keepdim=True)).exp_()  # softmax in place
+    ce = lse - torch.bmm(p[:, None, :], z[:, :, None])[:, 0, 0]  # Σ p z without a [c, V] product
+    if weight is None:
+        return ce, pred, label_ce, None
+    dz = z.sub_(lse[:, None]).exp_().sub_(p)  # softmax(z) - p
+    return ce, pred, label_ce, (dz.to(weight.dtype) @ weight).to(dz.dtype)
 
 
 def ce_chunk_grad(z: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, grad_ce: torch.Tensor,
@@ -175,12 +184,14 @@ class FusedChunks:
 
 class LinearCrossEntropy(torch.autograd.Function):
     """(CE [R], argmax [R], label CE [R]) of logits = hidden @ weight.T against labels, in chunks
-    of rows, without keeping [R, V] logits: backward recomputes each chunk's logits. `weight` is
-    frozen. `fused`: the per-chunk passes as `FusedChunks` (None: eager, in place).
-    `target_rows` [R, H] (soft labels): the CE is against softmax(target_rows @ weight.T), the
-    target's distribution through the same frozen head, recomputed per chunk both ways; the
-    labels (the target's greedy tokens) then only give the argmax's hard CE, the third output
-    (without target_rows it is the CE itself), never differentiated."""
+    of rows, without keeping [R, V] logits. `weight` is frozen. `fused`: the per-chunk passes as
+    `FusedChunks` (None: eager, in place).
+    Hard labels: backward recomputes each chunk's logits. `target_rows` [R, H] (soft labels): the
+    CE is against softmax(target_rows @ weight.T), the target's distribution through the same
+    frozen head, and forward also computes each row's gradient (`soft_ce_chunk`), kept [R, H] for
+    backward, when `hidden` needs one; the labels (the target's greedy tokens) then only give the
+    argmax's hard CE, the third output (without target_rows it is the CE itself), never
+    differentiated."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
@@ -188,30 +199,40 @@ class LinearCrossEntropy(torch.autograd.Function):
         if target_rows is not None and fused is not None:
             raise ValueError("soft labels run the eager chunk passes (fused=None)")
         stats = fused.stats if fused is not None else ce_chunk_stats
-        ces, preds, lses, label_ces = [], [], [], []
+        grad_weight = weight if ctx.needs_input_grad[0] else None  # soft labels: the gradient in forward
+        ces, preds, lses, label_ces, row_grads = [], [], [], [], []
         for i, (h, y) in enumerate(zip(hidden.split(chunk), labels.split(chunk))):
             z = _logits(h, weight)  # logits [c, V] fp32 (or float64)
             if target_rows is None:
                 lse, ce, pred = stats(z, y)
                 label_ce = ce
+                lses.append(lse)
             else:
                 z_target = _logits(target_rows[i * chunk : (i + 1) * chunk], weight)  # [c, V]
-                lse, ce, pred, label_ce = soft_ce_chunk_stats(z, z_target, y)
+                ce, pred, label_ce, row_grad = soft_ce_chunk(z, z_target, y, grad_weight)
+                if row_grad is not None:
+                    row_grads.append(row_grad)
             ces.append(ce)
             preds.append(pred)
-            lses.append(lse)
             label_ces.append(label_ce.detach())
-        lse = torch.cat(lses) if lses else hidden.new_zeros(0)
-        ctx.save_for_backward(hidden, weight, labels, lse, target_rows if target_rows is not None else lse.new_zeros(0))
-        ctx.chunk, ctx.fused, ctx.soft = chunk, fused, target_rows is not None
+        ce = torch.cat(ces) if ces else hidden.new_zeros(0, dtype=torch.float32)
+        ctx.chunk, ctx.fused, ctx.soft, ctx.hidden_dtype = chunk, fused, target_rows is not None, hidden.dtype
+        if ctx.soft:  # dCE/dhidden [R, H] (empty without a gradient to take)
+            ctx.save_for_backward(torch.cat(row_grads) if row_grads else ce.new_zeros(0, hidden.shape[1]))
+        else:
+            lse = torch.cat(lses) if lses else hidden.new_zeros(0)
+            ctx.save_for_backward(hidden, weight, labels, lse)
         pred = torch.cat(preds) if preds else labels.new_zeros(0)
         label_ce = torch.cat(label_ces) if label_ces else hidden.new_zeros(0, dtype=torch.float32)
         ctx.mark_non_differentiable(pred, label_ce)
-        return (torch.cat(ces) if ces else hidden.new_zeros(0, dtype=torch.float32)), pred, label_ce
+        return ce, pred, label_ce
 
     @staticmethod
     def backward(ctx, grad_ce: torch.Tensor, _grad_pred, _grad_label_ce):
-        hidden, weight, labels, lse, target_rows = ctx.saved_tensors
+        if ctx.soft:
+            (row_grad,) = ctx.saved_tensors
+            return (grad_ce[:, None].to(row_grad.dtype) * row_grad).to(ctx.hidden_dtype), None, None, None, None, None
+        hidden, weight, labels, lse = ctx.saved_tensors
         grads = []
         for start in range(0, hidden.shape[0], ctx.chunk):
             sl = slice(start, start + ctx.chunk)
@@ -220,10 +241,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 g = ctx.fused.grad(z, lse[sl], labels[sl], grad_ce[sl], weight.dtype)
             else:
                 g = z.sub_(lse[sl, None]).exp_()  # softmax
-                if ctx.soft:  # d/dz of -Σ p log softmax(z) = softmax(z) - p
-                    g.sub_(torch.softmax(_logits(target_rows[sl], weight), dim=-1))
-                else:
-                    g[torch.arange(g.shape[0], device=g.device), labels[sl]] -= 1.0
+                g[torch.arange(g.shape[0], device=g.device), labels[sl]] -= 1.0
                 g = g.mul_(grad_ce[sl, None]).to(weight.dtype)
             grads.append((g @ weight).to(hidden.dtype))
         grad = torch.cat(grads) if grads else torch.zeros_like(hidden)
