@@ -202,7 +202,7 @@ def test_config_round_trip_and_engine_keys():
         pytest.mark.slow, pytest.mark.skipif(shutil.which("cc") is None, reason="torch.compile on CPU needs a C compiler")])],
 )  # fmt: skip
 def test_linear_cross_entropy_equals_full_logits_cross_entropy(passes):
-    """In chunks, with the logits recomputed in backward: eager in place, the out-of-place passes
+    """In chunks, each row's gradient taken in forward: eager in place, the out-of-place passes
     that `FusedChunks` compiles, and those compiled (dynamic shapes: the last chunk is shorter)."""
     fused = {"eager": None, "fused": FusedChunks(ce_chunk_stats, ce_chunk_grad)}.get(passes) or (
         FusedChunks.compiled() if passes == "compiled" else None
@@ -214,6 +214,9 @@ def test_linear_cross_entropy_equals_full_logits_cross_entropy(passes):
     scale = torch.rand(37, generator=g, dtype=torch.float64)
     ce, pred, label_ce = LinearCrossEntropy.apply(hidden, weight, labels, 8, fused)  # 5 chunks
     assert torch.equal(label_ce, ce.detach())  # hard labels: the label's CE is the CE
+    with torch.no_grad():  # evaluation takes no row gradients: the same outputs
+        for got, want in zip(LinearCrossEntropy.apply(hidden, weight, labels, 8, fused), (ce, pred, label_ce)):
+            torch.testing.assert_close(got, want.detach())
     (ce * scale).sum().backward()
     grad = hidden.grad.clone()
     hidden.grad = None

@@ -31,8 +31,7 @@ Notation: tokens x_0 .. x_{T-1}, loss mask m_t, the target's greedy token g_{t+1
 
 The logits cover the target's whole vocabulary (the engines use the target's LM head), so the
 cross-entropy runs in row chunks (`LinearCrossEntropy`): memory O(chunk × V), not O(rows × V).
-With hard labels backward recomputes the logits; with soft labels forward takes each row's
-gradient as well (three [c, H] × [H, V] products a chunk instead of five).
+Forward takes each row's gradient as well, so backward recomputes no logits.
 """
 
 from __future__ import annotations
@@ -141,38 +140,19 @@ def ce_chunk_stats(z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torc
     return lse, lse - z.gather(1, y[:, None])[:, 0], z.argmax(-1)
 
 
-def soft_ce_chunk(z: torch.Tensor, z_target: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """One chunk against the target's distribution, forward and backward in one go: drafter logits
-    z and target logits z_target [c, V] (both overwritten), the target's greedy tokens y [c] ->
-    (soft cross-entropy -Σ p log softmax(z) [c], argmax [c], hard cross-entropy of y [c]: D-PACE's
-    confidence, and with `weight` [V, H] the row gradient dCE/dhidden = (softmax(z) - p) @ weight
-    [c, H]). Each row's CE depends on its own hidden row only, so that gradient, scaled by the
-    upstream gradient, is the backward: no logits recomputed later (3 matmuls a chunk, not 5)."""
-    lse = torch.logsumexp(z, dim=-1)
-    pred, label_ce = z.argmax(-1), lse - z.gather(1, y[:, None])[:, 0]
-    p = z_target.sub_(torch.logsumexp(z_target, dim=-1, keepdim=True)).exp_()  # softmax in place
-    ce = lse - torch.bmm(p[:, None, :], z[:, :, None])[:, 0, 0]  # Σ p z without a [c, V] product
-    if weight is None:
-        return ce, pred, label_ce, None
-    dz = z.sub_(lse[:, None]).exp_().sub_(p)  # softmax(z) - p
-    return ce, pred, label_ce, (dz.to(weight.dtype) @ weight).to(dz.dtype)
-
-
-def ce_chunk_grad(z: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, grad_ce: torch.Tensor,
-                  dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-    """One chunk's d(grad_ce · CE)/dz = (softmax(z) - onehot(y)) · grad_ce, [c, V] in `dtype`.
-    Written out of place for `torch.compile` to fuse into one pass over z (the eager backward
-    of `LinearCrossEntropy` works in place instead: no [c, V] temporaries)."""
+def ce_chunk_grad(z: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One chunk's dCE/dz = softmax(z) - onehot(y), [c, V] in `dtype`. Written out of place for
+    `torch.compile` to fuse into one pass over z (the eager path, `hard_ce_chunk`, works in place
+    instead: no [c, V] temporaries)."""
     onehot = torch.arange(z.shape[1], device=z.device)[None, :] == y[:, None]  # [c, V]
-    return ((torch.exp(z - lse[:, None]) - onehot.to(z.dtype)) * grad_ce[:, None]).to(dtype)
+    return (torch.exp(z - lse[:, None]) - onehot.to(z.dtype)).to(dtype)
 
 
 @dataclass(frozen=True)
 class FusedChunks:
     """`ce_chunk_stats` and `ce_chunk_grad` compiled: one or two passes over each [c, V] logit
-    chunk each way instead of eager mode's several (on an H100 the eager passes were ~100 ms of
-    a 0.78 s DFlash step at the 8B bench shape; BENCHMARKS.md, "What the profiles found")."""
+    chunk instead of eager mode's several (on an H100 the eager passes were ~100 ms of a 0.78 s
+    DFlash step at the 8B bench shape; BENCHMARKS.md, "What the profiles found")."""
 
     stats: Callable
     grad: Callable
@@ -182,46 +162,75 @@ class FusedChunks:
         return cls(torch.compile(ce_chunk_stats, dynamic=True), torch.compile(ce_chunk_grad, dynamic=True))
 
 
+# A chunk's outputs: (cross-entropy [c], argmax [c], the label's hard cross-entropy [c], and with a
+# gradient to take dCE/dz [c, V], else None).
+ChunkResult = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
+
+def hard_ce_chunk(z: torch.Tensor, y: torch.Tensor, grad_dtype: torch.dtype | None,
+                  fused: FusedChunks | None) -> ChunkResult:  # fmt: skip
+    """One chunk against hard labels y [c]: logits z [c, V] (overwritten on the eager path). With
+    `grad_dtype`, also dCE/dz = softmax(z) - onehot(y) in that dtype."""
+    lse, ce, pred = (fused.stats if fused is not None else ce_chunk_stats)(z, y)
+    if grad_dtype is None:
+        return ce, pred, ce, None
+    if fused is not None:
+        return ce, pred, ce, fused.grad(z, lse, y, grad_dtype)
+    dz = z.sub_(lse[:, None]).exp_()  # softmax in place
+    dz[torch.arange(dz.shape[0], device=dz.device), y] -= 1.0
+    return ce, pred, ce, dz.to(grad_dtype)
+
+
+def soft_ce_chunk(z: torch.Tensor, z_target: torch.Tensor, y: torch.Tensor,
+                  grad_dtype: torch.dtype | None) -> ChunkResult:  # fmt: skip
+    """One chunk against the target's distribution: drafter logits z and target logits z_target
+    [c, V] (both overwritten), the target's greedy tokens y [c] -> soft cross-entropy
+    -Σ p log softmax(z), argmax, the hard cross-entropy of y (D-PACE's confidence), and with
+    `grad_dtype` dCE/dz = softmax(z) - p."""
+    lse = torch.logsumexp(z, dim=-1)
+    pred, label_ce = z.argmax(-1), lse - z.gather(1, y[:, None])[:, 0]
+    p = z_target.sub_(torch.logsumexp(z_target, dim=-1, keepdim=True)).exp_()  # softmax in place
+    ce = lse - torch.bmm(p[:, None, :], z[:, :, None])[:, 0, 0]  # Σ p z without a [c, V] product
+    if grad_dtype is None:
+        return ce, pred, label_ce, None
+    return ce, pred, label_ce, z.sub_(lse[:, None]).exp_().sub_(p).to(grad_dtype)
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """(CE [R], argmax [R], label CE [R]) of logits = hidden @ weight.T against labels, in chunks
-    of rows, without keeping [R, V] logits. `weight` is frozen. `fused`: the per-chunk passes as
-    `FusedChunks` (None: eager, in place).
-    Hard labels: backward recomputes each chunk's logits. `target_rows` [R, H] (soft labels): the
-    CE is against softmax(target_rows @ weight.T), the target's distribution through the same
-    frozen head, and forward also computes each row's gradient (`soft_ce_chunk`), kept [R, H] for
-    backward, when `hidden` needs one; the labels (the target's greedy tokens) then only give the
-    argmax's hard CE, the third output (without target_rows it is the CE itself), never
-    differentiated."""
+    of rows, without keeping [R, V] logits. `weight` is frozen. `fused`: the hard-label chunk
+    passes as `FusedChunks` (None: eager, in place). `target_rows` [R, H] (soft labels): the CE is
+    against softmax(target_rows @ weight.T), the target's distribution through the same frozen
+    head; the labels (the target's greedy tokens) then only give the argmax's hard CE, the third
+    output (without target_rows it is the CE itself), never differentiated.
+
+    Each row's CE depends on its own hidden row only, so when `hidden` needs a gradient, forward
+    also takes each row's dCE/dhidden = dCE/dz @ weight [R, H] and backward scales it by the
+    upstream gradient: no logits are recomputed. LM-head products a chunk: two with hard labels,
+    three with soft (the target's logits too), against three and five when backward recomputed."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
                 fused: FusedChunks | None = None, target_rows: torch.Tensor | None = None):  # fmt: skip
         if target_rows is not None and fused is not None:
             raise ValueError("soft labels run the eager chunk passes (fused=None)")
-        stats = fused.stats if fused is not None else ce_chunk_stats
-        grad_weight = weight if ctx.needs_input_grad[0] else None  # soft labels: the gradient in forward
-        ces, preds, lses, label_ces, row_grads = [], [], [], [], []
+        grad_dtype = weight.dtype if ctx.needs_input_grad[0] else None
+        ces, preds, label_ces, row_grads = [], [], [], []
         for i, (h, y) in enumerate(zip(hidden.split(chunk), labels.split(chunk))):
             z = _logits(h, weight)  # logits [c, V] fp32 (or float64)
             if target_rows is None:
-                lse, ce, pred = stats(z, y)
-                label_ce = ce
-                lses.append(lse)
+                ce, pred, label_ce, dz = hard_ce_chunk(z, y, grad_dtype, fused)
             else:
                 z_target = _logits(target_rows[i * chunk : (i + 1) * chunk], weight)  # [c, V]
-                ce, pred, label_ce, row_grad = soft_ce_chunk(z, z_target, y, grad_weight)
-                if row_grad is not None:
-                    row_grads.append(row_grad)
+                ce, pred, label_ce, dz = soft_ce_chunk(z, z_target, y, grad_dtype)
+            if dz is not None:
+                row_grads.append((dz @ weight).to(ce.dtype))  # dCE/dhidden [c, H]
             ces.append(ce)
             preds.append(pred)
             label_ces.append(label_ce.detach())
         ce = torch.cat(ces) if ces else hidden.new_zeros(0, dtype=torch.float32)
-        ctx.chunk, ctx.fused, ctx.soft, ctx.hidden_dtype = chunk, fused, target_rows is not None, hidden.dtype
-        if ctx.soft:  # dCE/dhidden [R, H] (empty without a gradient to take)
-            ctx.save_for_backward(torch.cat(row_grads) if row_grads else ce.new_zeros(0, hidden.shape[1]))
-        else:
-            lse = torch.cat(lses) if lses else hidden.new_zeros(0)
-            ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.save_for_backward(torch.cat(row_grads) if row_grads else ce.new_zeros(0, hidden.shape[1]))
+        ctx.hidden_dtype = hidden.dtype
         pred = torch.cat(preds) if preds else labels.new_zeros(0)
         label_ce = torch.cat(label_ces) if label_ces else hidden.new_zeros(0, dtype=torch.float32)
         ctx.mark_non_differentiable(pred, label_ce)
@@ -229,22 +238,8 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_ce: torch.Tensor, _grad_pred, _grad_label_ce):
-        if ctx.soft:
-            (row_grad,) = ctx.saved_tensors
-            return (grad_ce[:, None].to(row_grad.dtype) * row_grad).to(ctx.hidden_dtype), None, None, None, None, None
-        hidden, weight, labels, lse = ctx.saved_tensors
-        grads = []
-        for start in range(0, hidden.shape[0], ctx.chunk):
-            sl = slice(start, start + ctx.chunk)
-            z = _logits(hidden[sl], weight)
-            if ctx.fused is not None:
-                g = ctx.fused.grad(z, lse[sl], labels[sl], grad_ce[sl], weight.dtype)
-            else:
-                g = z.sub_(lse[sl, None]).exp_()  # softmax
-                g[torch.arange(g.shape[0], device=g.device), labels[sl]] -= 1.0
-                g = g.mul_(grad_ce[sl, None]).to(weight.dtype)
-            grads.append((g @ weight).to(hidden.dtype))
-        grad = torch.cat(grads) if grads else torch.zeros_like(hidden)
+        (row_grad,) = ctx.saved_tensors  # [R, H]
+        grad = (grad_ce[:, None].to(row_grad.dtype) * row_grad).to(ctx.hidden_dtype)
         return grad, None, None, None, None, None
 
 
