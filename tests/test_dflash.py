@@ -215,7 +215,8 @@ def test_linear_cross_entropy_equals_full_logits_cross_entropy(passes):
     ce, pred, label_ce = LinearCrossEntropy.apply(hidden, weight, labels, 8, fused)  # 5 chunks
     assert torch.equal(label_ce, ce.detach())  # hard labels: the label's CE is the CE
     with torch.no_grad():  # evaluation takes no row gradients: the same outputs
-        for got, want in zip(LinearCrossEntropy.apply(hidden, weight, labels, 8, fused), (ce, pred, label_ce)):
+        again = LinearCrossEntropy.apply(hidden, weight, labels, 8, fused)
+        for got, want in zip(again, (ce, pred, label_ce)):
             torch.testing.assert_close(got, want.detach())
     (ce * scale).sum().backward()
     grad = hidden.grad.clone()
@@ -230,8 +231,9 @@ def test_linear_cross_entropy_equals_full_logits_cross_entropy(passes):
 
 def test_soft_linear_cross_entropy_equals_full_logits_cross_entropy_against_the_target():
     """labels "soft": the CE against softmax(target_rows @ weight.T), in chunks, its row gradients
-    taken in forward, equals -Σ p log softmax(z) from full logits with its gradient; the third output is the hard CE of the
-    target's greedy token (D-PACE's confidence), and the argmax is the drafter's."""
+    taken in forward, equals -Σ p log softmax(z) from full logits with its gradient; the third
+    output is the hard CE of the target's greedy token (D-PACE's confidence), and the argmax is
+    the drafter's."""
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
     target_rows = torch.randn(37, 16, generator=g, dtype=torch.float64)
@@ -252,7 +254,8 @@ def test_soft_linear_cross_entropy_equals_full_logits_cross_entropy_against_the_
     assert torch.equal(pred, logits.argmax(-1))
     assert not torch.allclose(ce, label_ce)  # the soft CE is not the argmax's
     with torch.no_grad():  # evaluation takes no row gradients: the same three outputs
-        for got, want in zip(LinearCrossEntropy.apply(hidden, weight, greedy, 8, None, target_rows), (ce, pred, label_ce)):
+        again = LinearCrossEntropy.apply(hidden, weight, greedy, 8, None, target_rows)
+        for got, want in zip(again, (ce, pred, label_ce)):
             torch.testing.assert_close(got, want.detach())
     with pytest.raises(ValueError, match="soft labels run the eager chunk passes"):
         LinearCrossEntropy.apply(hidden, weight, greedy, 8, FusedChunks(ce_chunk_stats, ce_chunk_grad), target_rows)
