@@ -7,6 +7,7 @@
     heldout  the target's perplexity on ShareGPT answers that the example config never trains on
     neighbours  mean cosine of each aux layer's output with its neighbours' (MT-bench prompts)
     mix      one conversations file with another's answers where the other has the same prompt (id)
+    followups  the kept conversations continued by ShareGPT's second user turn, answered by the target
     lookup   prompt lookup's teacher-forced τ on conversation files' last answers (how loop-like they are)
     vocab-coverage  the share of the eval split's loss tokens inside the draft vocabulary, per size
     evalqueue  evaluate each drafter as soon as its training has finished, most wanted figures first
@@ -107,7 +108,7 @@ def ppl(a) -> None:
 def heldout(a) -> None:
     """Perplexity (exp of the mean NLL over assistant tokens, the tokenize stage's loss mask, first
     --max-len tokens) of the target on ShareGPT's last --records complete conversations as shipped
-    (ChatGPT's answers; the example config's `sharegpt` dataset takes the first 4,000)."""
+    (ChatGPT's answers; the example config's `sharegpt` dataset takes the first 1,500)."""
     import torch
 
     from draftflow.data.prepare import RecordError, normalize_record, open_source
@@ -188,6 +189,80 @@ def mix(a) -> None:
     with gzip.open(a.out, "wt", encoding="utf-8", compresslevel=9) as f:
         f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
     print(json.dumps({"records": len(base), "replaced": replaced, "out": str(a.out)}))
+
+
+def followups(a) -> None:
+    """The kept one-turn conversations, each continued by its ShareGPT conversation's second user turn
+    and the target's answer to it (through a served OpenAI-compatible endpoint, e.g. vLLM's CPU build):
+    two-turn conversations whose every answer is the target's. The workflow's `regenerate` would
+    answer the first turn again; this keeps it. Appends to --out (.jsonl) and skips ids already there,
+    so an interrupted run resumes. --merged: --base with each answered conversation in place of its
+    one-turn record (a file to train on, as REGENERATED)."""
+    from draftflow.data.prepare import open_source
+    from draftflow.engines.generation import make_generation_engine
+
+    second_turn: dict[str, str] = {}  # first user turn's text -> the second user turn's
+    for record in open_source(a.sharegpt).records:
+        turns = record.raw.get("conversations") if record.error is None else None
+        if not turns or len(turns) < 3 or [t.get("from") for t in turns[:3]] != ["human", "gpt", "human"]:
+            continue
+        text = turns[2].get("value")
+        if isinstance(text, str) and text.strip() and len(text) <= a.max_chars:
+            second_turn.setdefault(turns[0].get("value"), text)
+    todo = []
+    for record_id, record in read_conversations(a.base).items():
+        messages = record["messages"]
+        if len(messages) == 2 and messages[0]["content"] in second_turn and messages[1]["content"].strip():
+            todo.append((record_id, [*messages, {"role": "user", "content": second_turn[messages[0]["content"]]}]))
+    done = set(read_conversations(a.out)) if a.out.exists() else set()
+    with_second_turn = len(todo)
+    todo = [item for item in todo if item[0] not in done][: max(0, a.limit - len(done))]
+    print(json.dumps({"with_a_second_turn": with_second_turn, "done": len(done), "to_answer": len(todo)}), flush=True)
+    # each request seeded by its id: on vLLM's CPU build start the server with chunked prefill off (README,
+    # "A real pretrained model": its CPU worker cannot rewind a seeded request's generator)
+    settings = {"engine": "openai", "openai": {"endpoints": [a.endpoint], "model": a.served_model,
+                                               "concurrency": a.concurrency}}
+    if todo:
+        answer_followups(todo, make_generation_engine(settings, a.model), a)
+    if a.merged:
+        write_merged(a.base, read_conversations(a.out), a.merged)
+
+
+def answer_followups(todo: list[tuple[str, list[dict]]], engine, a) -> None:
+    """Each (id, messages) answered by `engine`, appended to a.out a chunk at a time."""
+    from draftflow.data.regenerate import turn_seed
+    from draftflow.engines.generation import GenerationRequest
+
+    empty = 0
+    try:
+        with a.out.open("a", encoding="utf-8") as out:
+            for start in range(0, len(todo), a.chunk):
+                chunk = todo[start : start + a.chunk]
+                requests = [GenerationRequest(messages=messages, max_new_tokens=a.max_new_tokens,
+                                              temperature=a.temperature, seed=turn_seed(0, record_id, 1))
+                            for record_id, messages in chunk]
+                for (record_id, messages), result in zip(chunk, engine.generate(requests)):
+                    if not result.content.strip():  # prepare refuses an empty answer
+                        empty += 1
+                        continue
+                    record = {"id": record_id, "messages": [*messages, {"role": "assistant", "content": result.content}]}
+                    out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                out.flush()
+                print(json.dumps({"answered": start + len(chunk), "of": len(todo), "empty": empty}), flush=True)
+    finally:
+        engine.close()
+
+
+def write_merged(base: Path, followups: dict[str, dict], merged: Path) -> None:
+    """--base's records in its order, each replaced by its two-turn continuation where there is one."""
+    import gzip
+
+    records = [followups.get(record_id, record) for record_id, record in read_conversations(base).items()]
+    merged.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(merged, "wt", encoding="utf-8", compresslevel=9) as f:
+        f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    print(json.dumps({"records": len(records), "two_turn": sum(len(r["messages"]) == 4 for r in records),
+                      "merged": str(merged)}))
 
 
 def lookup_tau(tokens: list[int], start: int, k: int, proposer) -> tuple[int, int]:
@@ -599,6 +674,22 @@ def main(argv=None) -> int:
     lk.add_argument("--cap", type=int, default=250, help="answers at least this long count as cut at max_new_tokens")
     lk.add_argument("--max-answer", type=int, default=10**9, help="only each answer's first this many tokens")
     lk.add_argument("--loop", type=int, default=16, help="an answer loops if a run of this many tokens comes back")
+    fu = sub.add_parser("followups", help="kept one-turn conversations continued by ShareGPT's second user turn, "
+                        "answered by the target through a served endpoint")
+    fu.add_argument("--base", type=Path, default=REPO / "bench" / "data" / "smollm2_sharegpt_regenerated.jsonl.gz")
+    fu.add_argument("--sharegpt", type=Path, default=REPO / "real" / "data" / "sharegpt.json")
+    fu.add_argument("--model", type=Path, default=REPO / "real" / "smollm2-135m-instruct")
+    fu.add_argument("--endpoint", default="http://127.0.0.1:8123/v1")
+    fu.add_argument("--served-model", default="smol")
+    fu.add_argument("--out", type=Path, required=True, help="a .jsonl, appended to")
+    fu.add_argument("--max-chars", type=int, default=4000, help="the longest second turn kept (as the first turns)")
+    fu.add_argument("--max-new-tokens", type=int, default=256, help="as the kept first answers")
+    fu.add_argument("--temperature", type=float, default=0.7, help="as the kept first answers")
+    fu.add_argument("--concurrency", type=int, default=256, help="requests in flight")
+    fu.add_argument("--chunk", type=int, default=1024, help="requests written together (a chunk's last ones run "
+                    "with few beside them, so make it several times --concurrency)")
+    fu.add_argument("--limit", type=int, default=10**9, help="answer at most this many in all")
+    fu.add_argument("--merged", type=Path, help="also write --base with the answered conversations in place (.jsonl.gz)")
     mx = sub.add_parser("mix", help="one conversations file with another's answers for the ids both hold")
     mx.add_argument("--base", type=Path, required=True)
     mx.add_argument("--answers", type=Path, required=True)
@@ -637,6 +728,7 @@ def main(argv=None) -> int:
     m.add_argument("--source", type=Path, required=True)
     a = p.parse_args(argv)
     {"configs": configs, "ppl": ppl, "heldout": heldout, "neighbours": neighbours, "lookup": lookup, "mix": mix,
+     "followups": followups,
      "vocab-coverage": vocab_coverage, "collect": collect, "table": table,
      "evalqueue": evalqueue, "dflash-variant": lambda a: print(json.dumps(DFLASH_VARIANTS[a.name])),
      "eagle3-variant": lambda a: print(" ".join(EAGLE3_VARIANTS[a.name])),
