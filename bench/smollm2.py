@@ -223,23 +223,25 @@ def followups(a) -> None:
     settings = {"engine": "openai", "openai": {"endpoints": [a.endpoint], "model": a.served_model,
                                                "concurrency": a.concurrency}}
     if todo:
-        answer_followups(todo, make_generation_engine(settings, a.model), a)
+        engine = make_generation_engine(settings, a.model)
+        answer_followups(todo, engine, a.out, a.chunk, a.max_new_tokens, a.temperature)
     if a.merged:
         write_merged(a.base, read_conversations(a.out), a.merged)
 
 
-def answer_followups(todo: list[tuple[str, list[dict]]], engine, a) -> None:
-    """Each (id, messages) answered by `engine`, appended to a.out a chunk at a time."""
+def answer_followups(todo: list[tuple[str, list[dict]]], engine, out_path: Path, chunk_size: int,
+                     max_new_tokens: int, temperature: float) -> None:
+    """Each (id, messages) answered by `engine`, appended to out_path chunk_size at a time; closes engine."""
     from draftflow.data.regenerate import turn_seed
     from draftflow.engines.generation import GenerationRequest
 
     empty = 0
     try:
-        with a.out.open("a", encoding="utf-8") as out:
-            for start in range(0, len(todo), a.chunk):
-                chunk = todo[start : start + a.chunk]
-                requests = [GenerationRequest(messages=messages, max_new_tokens=a.max_new_tokens,
-                                              temperature=a.temperature, seed=turn_seed(0, record_id, 1))
+        with out_path.open("a", encoding="utf-8") as out:
+            for start in range(0, len(todo), chunk_size):
+                chunk = todo[start : start + chunk_size]
+                requests = [GenerationRequest(messages=messages, max_new_tokens=max_new_tokens,
+                                              temperature=temperature, seed=turn_seed(0, record_id, 1))
                             for record_id, messages in chunk]
                 for (record_id, messages), result in zip(chunk, engine.generate(requests)):
                     if not result.content.strip():  # prepare refuses an empty answer
