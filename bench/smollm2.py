@@ -247,7 +247,8 @@ def answer_followups(todo: list[tuple[str, list[dict]]], engine, out_path: Path,
                     if not result.content.strip():  # prepare refuses an empty answer
                         empty += 1
                         continue
-                    record = {"id": record_id, "messages": [*messages, {"role": "assistant", "content": result.content}]}
+                    answer = {"role": "assistant", "content": result.content}
+                    record = {"id": record_id, "messages": [*messages, answer]}
                     out.write(json.dumps(record, ensure_ascii=False) + "\n")
                 out.flush()
                 print(json.dumps({"answered": start + len(chunk), "of": len(todo), "empty": empty}), flush=True)
@@ -691,7 +692,8 @@ def main(argv=None) -> int:
     fu.add_argument("--chunk", type=int, default=1024, help="requests written together (a chunk's last ones run "
                     "with few beside them, so make it several times --concurrency)")
     fu.add_argument("--limit", type=int, default=10**9, help="answer at most this many in all")
-    fu.add_argument("--merged", type=Path, help="also write --base with the answered conversations in place (.jsonl.gz)")
+    fu.add_argument("--merged", type=Path,
+                    help="also write --base with the answered conversations in place (.jsonl.gz)")
     mx = sub.add_parser("mix", help="one conversations file with another's answers for the ids both hold")
     mx.add_argument("--base", type=Path, required=True)
     mx.add_argument("--answers", type=Path, required=True)
