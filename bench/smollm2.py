@@ -498,6 +498,9 @@ EAGLE3_VARIANTS = {
     "t0": ["ours", "--set", "train.target_temperature=0"],
     "t05": ["ours", "--set", "train.target_temperature=0.5"],
     "arch": ["speculators", "--spec-recipe", "ours-arch"],
+    # item 6's learning-rate remeasure around the recipe's 4e-3 (the code model's pick, at 424 steps)
+    "lr2e3": ["ours", "--set", "train.learning_rate=0.002"],
+    "lr8e3": ["ours", "--set", "train.learning_rate=0.008"],
 }
 
 # most wanted first: the done-when's cells (K = 7 on MT-bench and GSM8K at both temperatures), then HumanEval
