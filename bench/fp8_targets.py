@@ -10,7 +10,9 @@ real answers, on the CPU, without training: over the answer tokens of the first 
 a conversations file,
   * top-1 agreement: the target's argmax from the stored state equals the one from the float32 state;
   * total variation 0.5 Σ|p − q| and KL(p ‖ q) between the two distributions (p from float32);
-  * the row error of the final and the aux states (what the drafter's inputs carry).
+  * the row error of the final and the aux states (what the drafter's inputs carry);
+  * stored / raw bytes of the captured [T, aux + 1, H] bf16 states as each `extract.storage` mode
+    writes them (fp8_aux: the aux states as fp8, the final state lossless).
 The model runs in float32, so that bf16's own rounding is measured beside fp8's (the extraction's
 forward runs in bf16; its rounding inside the model is not counted here).
 
@@ -29,11 +31,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from draftflow.hidden_states.storage import quantize_fp8  # noqa: E402
+from draftflow.hidden_states.storage import STORAGE_MODES, encode_sample, quantize_fp8  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -102,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     lm_head = model.get_output_embeddings().weight.detach()  # [V, H]
     tallies = {"bf16": Tally(), "fp8": Tally()}
+    stored_bytes, raw_bytes = dict.fromkeys(STORAGE_MODES, 0), 0
     opener = gzip.open if args.conversations.suffix == ".gz" else open
     with opener(args.conversations, "rt", encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
@@ -123,8 +127,14 @@ def main(argv: list[str] | None = None) -> int:
                     err = (stored(states, storage) - states).norm(dim=-1) / states.norm(dim=-1)  # [T, L]
                     errs.append(float(err[start:].mean()))
                 tally.add(exact_logits, stored(final, storage)[start:, 0] @ lm_head.T)
+            captured = torch.cat([aux, final], dim=1).bfloat16()  # [T, aux + 1, H] as extraction captures it
+            raw_bytes += captured.numel() * 2 + 9 * captured.shape[0]  # states, int64 ids, uint8 mask
+            token_ids, mask = ids[0].numpy(), np.ones(ids.shape[1], np.uint8)
+            for mode in STORAGE_MODES:
+                stored_bytes[mode] += len(encode_sample(token_ids, mask, captured, storage=mode))
     print(json.dumps({"model": str(args.model), "conversations": str(args.conversations), "records": args.records,
-                      **{storage: tally.summary() for storage, tally in tallies.items()}}))
+                      **{storage: tally.summary() for storage, tally in tallies.items()},
+                      "stored_over_raw": {mode: round(n / raw_bytes, 4) for mode, n in stored_bytes.items()}}))
     return 0
 
 

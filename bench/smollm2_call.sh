@@ -29,7 +29,7 @@
 #          a killed training resumes from its last checkpoint (ours every train.save_every_steps,
 #          speculators every tenth of an epoch), a killed evaluation starts again.
 #
-# STORAGE=fp8: the hidden states stored as fp8 (extract.storage), not lossless; a word without spaces, so
+# STORAGE=fp8 (or fp8_aux): the hidden states stored as fp8 (extract.storage), not lossless; a word without spaces, so
 # that one run of bench/smollm2_pair.sh can take it in PAIR_A / PAIR_B where OVERRIDES (shared) cannot.
 # EVAL_ONLY="<label> …": evaluate only those drafters. A RESUME=1 call otherwise evaluates every drafter
 # trained in the work folder on its SETS and TEMPS, also those an earlier call trained for another item

@@ -1,4 +1,4 @@
-"""extract.storage: fp8 — quantizer, sample files, store keys, summaries, verify, plan/preflight, interop."""
+"""extract.storage: fp8 and fp8_aux — quantizer, sample files, store keys, summaries, verify, plan/preflight, interop."""
 
 from __future__ import annotations
 
@@ -148,6 +148,35 @@ def test_sign_chain_makes_correlated_states_smaller_on_disk():
     assert plane["nbytes"] < 0.97 * plain
 
 
+def test_fp8_aux_keeps_the_final_state_exact_and_the_aux_states_as_fp8(tmp_path):
+    ids, mask, hidden = make_sample(50, seed=3)
+    files = {mode: encode_sample(ids, mask, hidden, storage=mode) for mode in ("lossless", "fp8", "fp8_aux")}
+    assert len(files["fp8"]) < len(files["fp8_aux"]) < len(files["lossless"])
+    aux = decode_sample(files["fp8_aux"], check=True, fp8_codes=True)
+    fp8 = decode_sample(files["fp8"], check=True, fp8_codes=True)
+    assert read_header(files["fp8_aux"]).storage == "fp8_aux"
+    assert torch.equal(bits(aux.hidden[:, -1]), bits(hidden[:, -1]))  # the targets' source, bit-exact
+    assert torch.equal(bits(aux.hidden[:, :-1]), bits(fp8.hidden[:, :-1]))  # the aux states as fp8 stores them
+    assert not torch.equal(bits(fp8.hidden[:, -1]), bits(hidden[:, -1]))
+    assert torch.equal(bits(aux.fp8.dequantize()), bits(aux.hidden)) and fp8_problem(aux.fp8) is None
+    assert not aux.fp8.codes[:, -1].any()  # the final slot's codes: zeros, the values are in their own sections
+
+    # between the two fp8 modes: to fp8, the final state is quantized as fp8 itself would; to fp8_aux,
+    # fp8's final state is kept as it decodes (its error cannot be undone)
+    assert encode_sample(ids, mask, aux.fp8, storage="fp8") == files["fp8"]
+    from_fp8 = decode_sample(encode_sample(ids, mask, fp8.fp8, storage="fp8_aux"), check=True)
+    assert torch.equal(bits(from_fp8.hidden), bits(fp8.hidden))
+
+    store = SampleStore(tmp_path / "store")
+    for mode, data in files.items():
+        store.put(sample_key(mode, ids), data)
+        assert storage_of_file(store.path(sample_key(mode, ids))) == mode
+    damaged = bytearray(files["fp8_aux"])
+    damaged[-3] ^= 0x10  # inside the final state's last byte plane
+    with pytest.raises(ValueError, match="checksum"):
+        decode_sample(bytes(damaged), check=True)
+
+
 def test_version_2_files_are_fp8_and_damage_is_detected():
     ids, mask, hidden = make_sample(9)
     data = bytearray(encode_sample(ids, mask, hidden, storage="fp8"))
@@ -167,6 +196,7 @@ def test_storage_mode_enters_the_content_key_and_lossless_keys_are_unchanged():
     assert settings_digest(capture_settings({**base, "storage": "lossless"})) == before
     fp8 = settings_digest(capture_settings({**base, "storage": "fp8"}))
     assert fp8 != before
+    assert settings_digest(capture_settings({**base, "storage": "fp8_aux"})) not in (before, fp8)
     with pytest.raises(DraftflowError, match="extract.storage"):
         capture_settings({**base, "storage": "fp4"})
 
@@ -231,6 +261,27 @@ def test_extraction_in_both_modes_keeps_separate_files_and_refuses_mixed_summari
         summarize_hidden_states([tmp_path / "lossless/train/rows_0-6", tmp_path / "fp8/train/rows_0-6"])
 
 
+def test_fp8_aux_extraction_reads_the_final_state_exactly(tmp_path):
+    recs = records(4)
+    store = tmp_path / "store"
+    outcomes = {mode: run_range(store, mode, recs) for mode in ("lossless", "fp8_aux")}
+    assert {storage_of_file(SampleStore(store).path(e.key)) for e in outcomes["fp8_aux"].entries} == {"fp8_aux"}
+    readers = {}
+    for mode, outcome in outcomes.items():
+        meta = {"settings_digest": outcome.settings_digest, "store_root": store, "num_layers_captured": 4,
+                "hidden_size": 32, "storage": mode, "split": "train", "convention": "c", "aux_layer_ids": [0, 1, 2],
+                "final": "post_norm", "num_hidden_layers": 4, "dtype": "bfloat16", "engine": "hf",
+                "engine_layer_ids": [0, 1, 2]}  # fmt: skip
+        write_range_index(tmp_path / mode / "rows_0-4", outcome.entries, meta)
+        readers[mode] = HiddenStateReader([tmp_path / mode / "rows_0-4"])
+    for i in range(len(recs)):
+        exact, mixed = readers["lossless"][i].hidden, readers["fp8_aux"][i].hidden
+        assert torch.equal(bits(mixed[:, -1]), bits(exact[:, -1]))
+        assert float(row_relative_error(mixed[:, :-1], exact[:, :-1]).max()) < 0.05
+    data_config, _ = summarize_hidden_states([tmp_path / "fp8_aux" / "rows_0-4"])
+    assert data_config["storage"] == "fp8_aux"
+
+
 def test_indexes_without_a_storage_key_read_as_lossless(tmp_path):
     recs = records(3)
     outcome = run_range(tmp_path / "store", "lossless", recs)
@@ -254,18 +305,18 @@ def test_options_must_match_the_settings_that_key_the_store(tmp_path):
 # ---------------------------------------------------------------- verify, plan, preflight
 
 
-def fp8_ranges(tmp_path: Path, n: int = 3) -> tuple[Path, list]:
+def fp8_ranges(tmp_path: Path, n: int = 3, storage: str = "fp8") -> tuple[Path, list]:
     hs = tmp_path / "hs"
     store = SampleStore(hs / "store")
-    digest = settings_digest({"t": "fp8"})
+    digest = settings_digest({"t": storage})
     entries, samples = [], []
     for i in range(n):
         ids, mask, hidden = make_sample(6 + i, seed=i)
         key = sample_key(digest, ids)
-        entries.append(store.put(key, encode_sample(ids, mask, hidden, storage="fp8")).entry(f"f{i}", key))
+        entries.append(store.put(key, encode_sample(ids, mask, hidden, storage=storage)).entry(f"f{i}", key))
         samples.append((f"f{i}", key, ids, mask, hidden))
     meta = {"settings_digest": digest, "store_root": hs / "store", "num_layers_captured": 4, "hidden_size": 64,
-            "storage": "fp8"}  # fmt: skip
+            "storage": storage}  # fmt: skip
     write_range_index(hs / "train" / f"rows_0-{n}", entries, meta)
     return hs, samples
 
@@ -314,6 +365,7 @@ def test_plan_and_preflight_account_for_the_storage_mode(tmp_path):
     assert fp8["total"]["bytes_expected"] == 215_040  # 0.42 × 512,000
     explicit = plan_storage(manifest(1000), target, PlanSettings.from_dict({"storage": "fp8", "expected_compression_ratio": 0.5}))
     assert explicit["expected_compression_ratio"] == 0.5
+    assert plan_storage(manifest(1000), target, PlanSettings.from_dict({"storage": "fp8_aux"}))["expected_compression_ratio"] == 0.53
     with pytest.raises(DraftflowError, match="extract.storage"):
         PlanSettings.from_dict({"storage": "int4"})
 
@@ -360,6 +412,21 @@ def test_speculators_export_of_fp8_writes_their_fp8_layout_and_round_trips_exact
     convert("draftflow", "speculators", hs, plain, ConvertOptions(copy_final=True, speculators_hidden="bf16"))
     tensors = load_file(str(plain / "hidden_states" / "hs_0.safetensors"))
     assert set(tensors) == {"token_ids", "hidden_states"} and tensors["hidden_states"].dtype == torch.bfloat16
+
+
+def test_speculators_export_of_fp8_aux_quantizes_the_final_slot(tmp_path):
+    """Their layout has one fp8 tensor for every state: fp8_aux's lossless final state is quantized
+    into it as fp8 storage would, never left as the zero codes of its slot."""
+    hs, samples = fp8_ranges(tmp_path, storage="fp8_aux")
+    out = tmp_path / "spec"
+    convert("draftflow", "speculators", hs, out, ConvertOptions(copy_final=True))
+    reader = HiddenStateReader([hs / "train" / "rows_0-3"])
+    for i, (_, _, ids, mask, hidden) in enumerate(samples):
+        tensors = load_file(str(out / "hidden_states" / f"hs_{i}.safetensors"))
+        theirs = tensors["hidden_states"].to(torch.bfloat16) * tensors["hidden_states_scales"].to(torch.bfloat16)
+        as_fp8 = decode_sample(encode_sample(ids, mask, hidden, storage="fp8")).hidden
+        assert torch.equal(bits(theirs[:, :-1]), bits(reader[i].hidden[:, :-1]))
+        assert torch.equal(bits(theirs[:, -1]), bits(as_fp8[:, -1]))
 
 
 def test_import_into_another_mode_rekeys_the_samples(tmp_path):

@@ -92,8 +92,8 @@ def capture_settings(settings: dict) -> dict:
     # fp8 files hold other values than lossless ones: they get their own keys. Lossless keys
     # stay what they were before storage modes existed, so existing stores remain valid.
     storage = settings.get("storage", "lossless")
-    if storage not in ("lossless", "fp8"):
-        raise CaptureError(f"extract.storage is {storage!r}; use lossless or fp8")
+    if storage not in ("lossless", "fp8", "fp8_aux"):
+        raise CaptureError(f"extract.storage is {storage!r}; use lossless, fp8 or fp8_aux")
     if storage != "lossless":
         out["storage"] = storage
     return out

@@ -16,7 +16,8 @@ On CUDA the GPU never waits on the disk: each captured batch is copied into a pi
 buffer on a side stream, and a writer pool (zstd and file I/O release the GIL) encodes and
 stores the samples while the next batch runs. A small ring of buffers bounds memory. With
 `extract.storage: fp8` the GPU quantizes each capture (`storage.quantize_fp8`) before the
-copy, so half the bytes cross to the host and the writers only compress.
+copy, so half the bytes cross to the host and the writers only compress (`fp8_aux`, whose
+final state stays lossless, is quantized by the writers).
 
 `draftflow summarize-hidden-states` writes data_config.json and sample_lengths.json from
 the range indexes only, never from tensor data.
@@ -338,7 +339,7 @@ class ExtractOptions:
     writer_threads: int = 4
     ring_slots: int = 3  # host slots: one batch being copied, the rest being written
     log_every_s: float = 30.0
-    storage: str = "lossless"  # lossless | fp8 (storage.py)
+    storage: str = "lossless"  # lossless | fp8 | fp8_aux (storage.py)
 
     @classmethod
     def from_settings(cls, settings: dict) -> "ExtractOptions":

@@ -52,6 +52,7 @@ from draftflow.jsonl import atomic_path, read_json, write_json
 from draftflow.hidden_states.storage import (
     FP8_MAX_EXP,
     FP8_MIN_EXP,
+    FP8_MODES,
     STORAGE_MODES,
     Fp8Hidden,
     HiddenStateReader,
@@ -362,8 +363,9 @@ def write_draftflow(
 ) -> ConvertResult:
     """Store samples and write range indexes `output_dir/rows_{s}-{e}/index.json` of `range_size` samples.
 
-    storage: lossless | fp8 (None: the source's, from `meta`). fp8 samples with codes
-    (`Sample.fp8`) are stored as they are; others are quantized.
+    storage: lossless | fp8 | fp8_aux (None: the source's, from `meta`). fp8 samples with
+    codes (`Sample.fp8`) are stored as they are (between fp8 and fp8_aux: their final state
+    requantized, or kept as fp8 decoded it); others are quantized.
     """
     output_dir = Path(output_dir)
     store = SampleStore(store_root or output_dir / "store")
@@ -383,7 +385,7 @@ def write_draftflow(
         key = (item.key if keep_keys else None) or sample_key(digest, item.sample.input_ids)
         if store.contains(key):  # content-keyed: an existing file holds these exact bits already
             return store.entry_for(key, item.sample_id)
-        hidden = item.sample.fp8 if storage == "fp8" and item.sample.fp8 is not None else item.sample.hidden
+        hidden = item.sample.fp8 if storage in FP8_MODES and item.sample.fp8 is not None else item.sample.hidden
         data = encode_sample(item.sample.input_ids, item.sample.loss_mask, hidden, level=level, storage=storage)
         return store.put(key, data).entry(item.sample_id, key)
 
@@ -509,11 +511,11 @@ def _speculators_fp8(sample: Sample, hidden: torch.Tensor, final_changed: bool) 
     """`hidden_states` (float8_e4m3fn) and `hidden_states_scales` ([T, L, 1] float32) for one sample.
 
     The stored codes when there are any (the final slot requantized if the norm changed
-    it), else a quantization of `hidden`.
+    it, or if fp8_aux kept it lossless), else a quantization of `hidden`.
     """
     q = sample.fp8 if sample.fp8 is not None else quantize_fp8(hidden)
     codes, exps = q.codes.clone(), q.exps.clone()  # [T, L, H], [T, L]
-    if final_changed and sample.fp8 is not None:
+    if sample.fp8 is not None and (final_changed or sample.fp8.final is not None):
         final = quantize_fp8(hidden[:, -1:].contiguous())
         codes[:, -1:], exps[:, -1:] = final.codes, final.exps
     scales = torch.from_numpy(np.ldexp(np.float32(1), exps.numpy().astype(np.int32)))[..., None]  # [T, L, 1] 2^k, exact
@@ -570,7 +572,7 @@ class ConvertOptions:
     level: int = 1
     settings_digest: str | None = None  # key imported samples under this digest (e.g. the extraction's)
     workers: int = 4
-    storage: str | None = None  # importing into draftflow: lossless | fp8 (None: the source's)
+    storage: str | None = None  # importing into draftflow: lossless | fp8 | fp8_aux (None: the source's)
     speculators_hidden: str = "auto"  # exporting to speculators: auto | fp8 | bf16
 
 
@@ -638,7 +640,7 @@ def configure_parser(parser: argparse.ArgumentParser, stage: str) -> None:
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="writer threads")
     parser.add_argument(
         "--storage", choices=STORAGE_MODES, default=None,
-        help="into draftflow: lossless or fp8 sample files (default: the source's, else lossless)",
+        help="into draftflow: lossless, fp8 or fp8_aux sample files (default: the source's, else lossless)",
     )  # fmt: skip
     parser.add_argument(
         "--speculators-hidden", choices=SPECULATORS_HIDDEN, default="auto",

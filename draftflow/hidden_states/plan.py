@@ -3,7 +3,8 @@
 Per token the extraction stores every aux layer plus the final state (DESIGN.md §4):
 `bytes = tokens × (len(aux_layer_ids) + 1) × hidden_size × dtype bytes` raw, and about
 `expected_compression_ratio` of that on disk (by default 0.72 for `extract.storage:
-lossless`, 0.42 for `fp8`: BENCHMARKS.md measured 0.699 and ~0.39 on an 8B-shaped model).
+lossless`, 0.42 for `fp8`: BENCHMARKS.md measured 0.699 and ~0.39 on an 8B-shaped model;
+0.53 for `fp8_aux`, whose final state stays lossless: 0.498 measured on SmolLM2).
 The plan gives these figures per split, per range of the merge's range plan, and in total;
 `preflight` checks them against the free disk. Kimi-K2.5 (H = 7168, 4 captured layers, bf16): 57,344 bytes per token, so
 21,033,536 tokens -> 1.206 TB raw.
@@ -33,7 +34,8 @@ log = logging.getLogger(__name__)
 
 DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 # stored / raw bytes assumed per storage mode when the config leaves it null (measured, plus margin)
-DEFAULT_COMPRESSION_RATIO: dict[str, float] = {"lossless": 0.72, "fp8": 0.42}
+# fp8_aux (aux states fp8, the final state lossless): 0.498 measured on SmolLM2 with three aux layers
+DEFAULT_COMPRESSION_RATIO: dict[str, float] = {"lossless": 0.72, "fp8": 0.42, "fp8_aux": 0.53}
 # where multimodal configs keep the language model's dimensions (Kimi-K2.5, Llama-4: text_config)
 NESTED_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
 _UNITS = ("B", "KB", "MB", "GB", "TB", "PB")
@@ -157,7 +159,7 @@ class PlanSettings:
         reject_unknown_keys(settings, cls.__dataclass_fields__, "plan-storage settings")
         result = cls(**settings)
         if result.storage not in DEFAULT_COMPRESSION_RATIO:
-            raise DraftflowError(f"extract.storage: unknown mode {result.storage!r}; use lossless or fp8")
+            raise DraftflowError(f"extract.storage: unknown mode {result.storage!r}; use one of {', '.join(DEFAULT_COMPRESSION_RATIO)}")
         if result.expected_compression_ratio is None:
             result = dataclasses.replace(result, expected_compression_ratio=DEFAULT_COMPRESSION_RATIO[result.storage])
         if result.dtype not in DTYPE_BYTES:

@@ -22,7 +22,11 @@ Three pieces (DESIGN.md §4):
 * **fp8 sample files** (`extract.storage: fp8`, format version 2): the hidden tensor is
   stored as float8_e4m3fn with a power-of-two scale per row (token × state), about 0.39
   of raw bf16 on disk instead of 0.70; see `quantize_fp8`. Same container, checksums and
-  store; `decode_sample` returns the capture dtype either way.
+  store; `decode_sample` returns the capture dtype either way. `extract.storage: fp8_aux`
+  writes the same file with the final state kept lossless (its fp8 slot holds zero codes
+  and its values are byte-plane sections of their own): the trainer's targets come from
+  the final state, and fp8's error there moves them (BENCHMARKS.md, "fp8 storage against
+  lossless at the recipe").
 
 * **The store** (`SampleStore`): `root/ab/cd/<key>.dfhs`, keyed by
   `sample_key(settings_digest, input_ids)`, so a sample is reused whenever the
@@ -63,7 +67,8 @@ from draftflow.jsonl import atomic_path, fsync_dir
 MAGIC = b"DFHS"
 FORMAT_VERSION = 1  # lossless sample files
 FP8_FORMAT_VERSION = 2  # fp8 sample files (older draftflow refuses them instead of misreading them)
-STORAGE_MODES = ("lossless", "fp8")  # extract.storage
+STORAGE_MODES = ("lossless", "fp8", "fp8_aux")  # extract.storage
+FP8_MODES = ("fp8", "fp8_aux")  # the modes written as fp8 (version 2) files
 INDEX_FORMAT_VERSION = 1
 SUFFIX = ".dfhs"
 INDEX_NAME = "index.json"
@@ -153,13 +158,13 @@ class SampleHeader:
     raw_checksum: str  # of input_ids, loss_mask and hidden bytes, uncompressed
     sections: tuple[dict, ...]  # {"name", "codec": "zstd"|"raw", "nbytes", "raw_nbytes"}
     data_offset: int  # where the first section starts
-    storage: str = "lossless"  # lossless | fp8
+    storage: str = "lossless"  # lossless | fp8 | fp8_aux
     payload_checksum: str | None = None  # of the stored section bytes (files written before it: None)
 
     @property
     def raw_nbytes(self) -> int:
         """Bytes of the sample as the reader returns it: input_ids + loss_mask + hidden in `dtype`."""
-        if self.storage == "fp8":  # its sections hold 1 byte per value: count what it decodes to
+        if self.storage in FP8_MODES:  # its sections hold 1 byte per value: count what it decodes to
             return 9 * self.length + math.prod(self.shape) * DTYPES[self.dtype].itemsize
         return sum(s["raw_nbytes"] for s in self.sections)
 
@@ -259,12 +264,16 @@ def encode_sample_parts(
     writer thread pool, whatever its size. Raw sections are views of fresh arrays, never of
     `hidden`, so the caller may reuse hidden's memory as soon as this returns.
 
-    `storage="fp8"` (or an `Fp8Hidden` as `hidden`, already quantized): an fp8 file, see
-    `encode_fp8_parts`.
+    `storage="fp8"` / `"fp8_aux"` (or an `Fp8Hidden` as `hidden`, already quantized): an fp8
+    file, see `encode_fp8_parts`.
     """
     if storage not in STORAGE_MODES:
         raise ValueError(f"unknown storage {storage!r}; use one of {', '.join(STORAGE_MODES)}")
-    if storage == "fp8" or isinstance(hidden, Fp8Hidden):
+    if storage in FP8_MODES or isinstance(hidden, Fp8Hidden):
+        if not isinstance(hidden, Fp8Hidden):
+            hidden = quantize_for_storage(hidden.detach(), storage)
+        elif storage in FP8_MODES and (hidden.final is not None) != (storage == "fp8_aux"):
+            hidden = convert_fp8(hidden, storage)  # e.g. an interop conversion between the two modes
         return encode_fp8_parts(input_ids, loss_mask, hidden, level)
     ids = np.array(input_ids, dtype=np.int64).reshape(-1)  # [T], a copy: raw sections may view it
     mask = np.array(loss_mask, dtype=np.uint8).reshape(-1)  # [T], a copy
@@ -346,7 +355,7 @@ def read_header(data: bytes | memoryview, size: int | None = None) -> SampleHead
         raise ValueError(f"corrupt sample header: {e}") from None
     if header.dtype not in DTYPES:
         raise ValueError(f"corrupt sample header: unknown dtype {header.dtype!r}")
-    if header.storage != ("fp8" if version == FP8_FORMAT_VERSION else "lossless"):
+    if (header.storage in FP8_MODES) != (version == FP8_FORMAT_VERSION) or header.storage not in STORAGE_MODES:
         raise ValueError(f"corrupt sample header: storage {header.storage!r} in a version {version} file")
     expected = header.data_offset + sum(s["nbytes"] for s in header.sections)
     if expected != size:
@@ -452,7 +461,7 @@ def decode_sample(data: bytes, check: bool = False, fp8_codes: bool = False) -> 
         raw[section["name"]] = _unpack(section, view[offset : offset + section["nbytes"]])
         offset += section["nbytes"]
 
-    if header.storage == "fp8":
+    if header.storage in FP8_MODES:
         return _decode_fp8(header, raw, check, fp8_codes)
     torch_dtype = DTYPES[header.dtype]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
@@ -495,22 +504,30 @@ _FP8_NAN = (0x7F, 0xFF)  # the only non-finite e4m3fn codes (no infinities)
 
 @dataclass(frozen=True)
 class Fp8Hidden:
-    """A [T, L, H] hidden tensor as fp8 codes and a power-of-two scale per row (see above)."""
+    """A [T, L, H] hidden tensor as fp8 codes and a power-of-two scale per row (see above);
+    with `final` (fp8_aux), the last state kept as it was captured and its code slot all zeros."""
 
     codes: torch.Tensor  # [T, L, H] uint8: float8_e4m3fn bit patterns
     exps: torch.Tensor  # [T, L] int8: row (t, l) is codes[t, l] × 2^exps[t, l]
     dtype: torch.dtype  # what it decodes to: the capture dtype
+    final: torch.Tensor | None = None  # [T, H] in `dtype`: fp8_aux's lossless final state
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return tuple(self.codes.shape)
 
     def cpu(self) -> Fp8Hidden:
-        return Fp8Hidden(self.codes.cpu(), self.exps.cpu(), self.dtype) if self.codes.is_cuda else self
+        if not self.codes.is_cuda:
+            return self
+        final = None if self.final is None else self.final.cpu()
+        return Fp8Hidden(self.codes.cpu(), self.exps.cpu(), self.dtype, final)
 
     def dequantize(self) -> torch.Tensor:
         """[T, L, H] in `dtype` (on the CPU)."""
-        return dequantize_fp8(self.codes.cpu().numpy(), self.exps.cpu().numpy(), self.dtype)
+        hidden = dequantize_fp8(self.codes.cpu().numpy(), self.exps.cpu().numpy(), self.dtype)
+        if self.final is not None:
+            hidden[:, -1] = self.final.cpu()
+        return hidden
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
@@ -543,6 +560,29 @@ def quantize_fp8(hidden: torch.Tensor, check: bool = True) -> Fp8Hidden:
     scaled.mul_(_pow2(k_max - k)[..., None]).clamp_(-FP8_MAX, FP8_MAX)  # tiny values may underflow: they round to 0
     codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
     return Fp8Hidden(codes, k.to(torch.int8), hidden.dtype)
+
+
+def quantize_for_storage(hidden: torch.Tensor, storage: str, check: bool = True) -> Fp8Hidden:
+    """[T, L, H] -> the `Fp8Hidden` an fp8 (`fp8`) or fp8-aux (`fp8_aux`) file stores."""
+    q = quantize_fp8(hidden, check)
+    return q if storage == "fp8" else convert_fp8(q, storage, final=hidden[:, -1])
+
+
+def convert_fp8(q: Fp8Hidden, storage: str, final: torch.Tensor | None = None) -> Fp8Hidden:
+    """q as the other fp8 mode stores it. fp8 -> fp8_aux keeps `final` ([T, H]; default: the
+    decoded fp8 final state, whose error cannot be undone); fp8_aux -> fp8 quantizes its final."""
+    if storage == "fp8":
+        if q.final is None:
+            return q
+        last = quantize_fp8(q.final[:, None, :].to(q.codes.device))
+        codes, exps = q.codes.clone(), q.exps.clone()
+        codes[:, -1:], exps[:, -1:] = last.codes, last.exps
+        return Fp8Hidden(codes, exps, q.dtype)
+    if final is None:
+        final = q.final if q.final is not None else q.dequantize()[:, -1]
+    codes, exps = q.codes.clone(), q.exps.clone()
+    codes[:, -1], exps[:, -1] = 0, 0  # the final state's slot: all-zero rows, scale 2^0
+    return Fp8Hidden(codes, exps, q.dtype, final.detach().to(q.dtype).clone())
 
 
 def _fp8_values() -> torch.Tensor:
@@ -625,8 +665,9 @@ def encode_fp8_parts(input_ids, loss_mask, hidden: torch.Tensor | Fp8Hidden, lev
 
     hidden: a float tensor (quantized here; NaN/inf refused) or an `Fp8Hidden` quantized
     by the caller (the extraction driver does it on the GPU). Sections: input_ids,
-    loss_mask, `hidden.fp8` ([T·L·H] codes, sign-chained) and `hidden.exp` ([T·L] int8).
-    The raw checksum covers ids, mask, the plain codes and the exponents.
+    loss_mask, `hidden.fp8` ([T·L·H] codes, sign-chained) and `hidden.exp` ([T·L] int8);
+    with a lossless final state (fp8_aux) also its byte planes, `hidden.final.plane{k}`.
+    The raw checksum covers ids, mask, the plain codes, the exponents and the final state's bytes.
     """
     q = hidden if isinstance(hidden, Fp8Hidden) else quantize_fp8(hidden.detach())
     ids = np.array(input_ids, dtype=np.int64).reshape(-1)  # [T], a copy: raw sections may view it
@@ -642,16 +683,20 @@ def encode_fp8_parts(input_ids, loss_mask, hidden: torch.Tensor | Fp8Hidden, lev
         raise ValueError("loss_mask must contain only 0 and 1")
     codes = q.codes.cpu().contiguous().numpy()  # [T, L, H] uint8 (a view when already on the CPU)
     exps = np.array(q.exps.cpu().numpy(), dtype=np.int8)  # [T, L], a copy
-    raw_sum = checksum(ids, mask, codes, exps)
+    final = _final_planes(q, T, H)  # fp8_aux: the lossless final state's byte planes
+    raw_sum = checksum(ids, mask, codes, exps, *final)
     sections = [
         _pack("input_ids", ids, level),
         _pack("loss_mask", mask, level),
         _pack("hidden.fp8", fp8_sign_chain(codes), level),  # a fresh array: never a view of `hidden`
         _pack("hidden.exp", exps, level),
     ]
+    sections += [_pack(f"hidden.final.plane{k}", plane, level) for k, plane in enumerate(final)]
     header = {
         "T": T, "L": L, "H": H, "dtype": dtype, "loss_tokens": int(mask.sum()),
-        "codec": "zstd-fp8", "storage": "fp8", "fp8": "float8_e4m3fn, 2^k per row, sign chained over states",
+        "codec": "zstd-fp8", "storage": "fp8" if q.final is None else "fp8_aux",
+        "fp8": "float8_e4m3fn, 2^k per row, sign chained over states"
+        + ("" if q.final is None else "; the final state lossless in hidden.final.plane*"),
         "level": level, "raw_checksum": raw_sum, "sections": [meta for meta, _ in sections],
         "payload_checksum": checksum(*(data for _, data in sections)),  # as in lossless files: `self_check`
     }  # fmt: skip
@@ -660,19 +705,34 @@ def encode_fp8_parts(input_ids, loss_mask, hidden: torch.Tensor | Fp8Hidden, lev
     return parts + [data for _, data in sections]
 
 
+def _final_planes(q: Fp8Hidden, T: int, H: int) -> list[np.ndarray]:
+    """fp8_aux: the byte planes of q.final ([T, H]); plain fp8: none."""
+    if q.final is None:
+        return []
+    final = q.final.detach().to("cpu").contiguous()
+    if tuple(final.shape) != (T, H) or final.dtype != q.dtype:
+        raise ValueError(f"final state {list(final.shape)} {final.dtype} does not fit codes [{T}, …, {H}] of {q.dtype}")
+    if not bool(torch.isfinite(final).all()):
+        raise ValueError("the final state holds NaN/inf: it cannot be stored")
+    return byte_planes(final)
+
+
 def storage_of_file(path: Path) -> str | None:
-    """`lossless` or `fp8` from a sample file's first bytes (its format version), None if it is none."""
+    """`lossless`, `fp8` or `fp8_aux` from a sample file's header, None if it is none."""
     try:
         with open(path, "rb") as f:
             preamble = f.read(_PREAMBLE.size)
-    except OSError:
+            if len(preamble) < _PREAMBLE.size:
+                return None
+            magic, version, header_len = _PREAMBLE.unpack(preamble)
+            if magic != MAGIC or version not in (FORMAT_VERSION, FP8_FORMAT_VERSION):
+                return None
+            if version == FORMAT_VERSION:
+                return "lossless"
+            header = json.loads(f.read(header_len))  # fp8 files: the header says which mode
+    except (OSError, ValueError):
         return None
-    if len(preamble) < _PREAMBLE.size:
-        return None
-    magic, version, _ = _PREAMBLE.unpack(preamble)
-    if magic != MAGIC:
-        return None
-    return {FORMAT_VERSION: "lossless", FP8_FORMAT_VERSION: "fp8"}.get(version)
+    return header.get("storage") if header.get("storage") in FP8_MODES else None
 
 
 def _decode_fp8(header: SampleHeader, raw: dict[str, memoryview | bytes], check: bool, keep_codes: bool) -> Sample:
@@ -685,11 +745,22 @@ def _decode_fp8(header: SampleHeader, raw: dict[str, memoryview | bytes], check:
     codes = fp8_sign_unchain(chained.copy())  # [T, L, H]
     ids = np.frombuffer(raw["input_ids"], dtype="<i8", count=T).copy()
     mask = np.frombuffer(raw["loss_mask"], dtype=np.uint8, count=T).copy()
-    if check and not verify_checksum(header.raw_checksum, ids, mask, codes, exps):
-        raise ValueError("raw-payload checksum mismatch")
     dtype = DTYPES[header.dtype]
-    q = Fp8Hidden(torch.from_numpy(codes), torch.from_numpy(exps), dtype) if keep_codes else None
-    return Sample(input_ids=ids, loss_mask=mask, hidden=dequantize_fp8(codes, exps, dtype), fp8=q)
+    planes = []  # fp8_aux: the lossless final state's byte planes, itemsize × [T·H] uint8
+    if header.storage == "fp8_aux":
+        try:
+            planes = [np.frombuffer(raw[f"hidden.final.plane{k}"], np.uint8, count=T * H) for k in range(dtype.itemsize)]
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"fp8_aux final-state sections missing or short: {e}") from None
+    if check and not verify_checksum(header.raw_checksum, ids, mask, codes, exps, *planes):
+        raise ValueError("raw-payload checksum mismatch")
+    final = torch.from_numpy(_join_planes(planes)).view(dtype).reshape(T, H) if planes else None
+    hidden = dequantize_fp8(codes, exps, dtype)
+    if final is not None:
+        hidden[:, -1] = final
+    q = Fp8Hidden(torch.from_numpy(codes), torch.from_numpy(exps), dtype, final) if keep_codes else None
+    return Sample(input_ids=ids, loss_mask=mask, hidden=hidden, fp8=q)
+
 
 
 def self_check(data: bytes | memoryview) -> SampleHeader:
