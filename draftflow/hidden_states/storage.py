@@ -564,8 +564,11 @@ def quantize_fp8(hidden: torch.Tensor, check: bool = True) -> Fp8Hidden:
 
 def quantize_for_storage(hidden: torch.Tensor, storage: str, check: bool = True) -> Fp8Hidden:
     """[T, L, H] -> the `Fp8Hidden` an fp8 (`fp8`) or fp8-aux (`fp8_aux`) file stores."""
-    q = quantize_fp8(hidden, check)
-    return q if storage == "fp8" else convert_fp8(q, storage, final=hidden[:, -1])
+    q = quantize_fp8(hidden, check)  # fp8_aux too: `check` then covers the final state as well
+    if storage == "fp8":
+        return q
+    q.codes[:, -1], q.exps[:, -1] = 0, 0  # fresh tensors: the final state's slot, all-zero rows at scale 2^0
+    return Fp8Hidden(q.codes, q.exps, q.dtype, hidden[:, -1].clone())
 
 
 def convert_fp8(q: Fp8Hidden, storage: str, final: torch.Tensor | None = None) -> Fp8Hidden:
