@@ -230,6 +230,14 @@ def run_range(store: Path, storage: str, records) -> list:
     return outcome
 
 
+def range_meta(outcome, store: Path, storage: str) -> dict:
+    """A range index's meta for `run_range`'s samples."""
+    return {"settings_digest": outcome.settings_digest, "store_root": store, "num_layers_captured": 4,
+            "hidden_size": 32, "storage": storage, "split": "train", "convention": "c", "aux_layer_ids": [0, 1, 2],
+            "final": "post_norm", "num_hidden_layers": 4, "dtype": "bfloat16", "engine": "hf",
+            "engine_layer_ids": [0, 1, 2]}  # fmt: skip
+
+
 def records(n: int = 6) -> list[Record]:
     rng = np.random.default_rng(0)
     return [Record(f"s{i}", "d", rng.integers(1, 300, size=5 + 3 * i), np.ones(5 + 3 * i, np.uint8), i) for i in range(n)]
@@ -246,11 +254,7 @@ def test_extraction_in_both_modes_keeps_separate_files_and_refuses_mixed_summari
     assert modes == {"fp8"}
     # reader: bf16 either way, fp8 within quantization error of the lossless capture
     for name, outcome in (("lossless", lossless), ("fp8", fp8)):
-        meta = {"settings_digest": outcome.settings_digest, "store_root": store, "num_layers_captured": 4,
-                "hidden_size": 32, "storage": name, "split": "train", "convention": "c", "aux_layer_ids": [0, 1, 2],
-                "final": "post_norm", "num_hidden_layers": 4, "dtype": "bfloat16", "engine": "hf",
-                "engine_layer_ids": [0, 1, 2]}  # fmt: skip
-        write_range_index(tmp_path / name / "train" / "rows_0-6", outcome.entries, meta)
+        write_range_index(tmp_path / name / "train" / "rows_0-6", outcome.entries, range_meta(outcome, store, name))
     exact, approx = HiddenStateReader([tmp_path / "lossless/train/rows_0-6"]), HiddenStateReader([tmp_path / "fp8/train/rows_0-6"])
     for i in range(len(recs)):
         a, b = exact[i].hidden, approx[i].hidden
@@ -268,11 +272,7 @@ def test_fp8_aux_extraction_reads_the_final_state_exactly(tmp_path):
     assert {storage_of_file(SampleStore(store).path(e.key)) for e in outcomes["fp8_aux"].entries} == {"fp8_aux"}
     readers = {}
     for mode, outcome in outcomes.items():
-        meta = {"settings_digest": outcome.settings_digest, "store_root": store, "num_layers_captured": 4,
-                "hidden_size": 32, "storage": mode, "split": "train", "convention": "c", "aux_layer_ids": [0, 1, 2],
-                "final": "post_norm", "num_hidden_layers": 4, "dtype": "bfloat16", "engine": "hf",
-                "engine_layer_ids": [0, 1, 2]}  # fmt: skip
-        write_range_index(tmp_path / mode / "rows_0-4", outcome.entries, meta)
+        write_range_index(tmp_path / mode / "rows_0-4", outcome.entries, range_meta(outcome, store, mode))
         readers[mode] = HiddenStateReader([tmp_path / mode / "rows_0-4"])
     for i in range(len(recs)):
         exact, mixed = readers["lossless"][i].hidden, readers["fp8_aux"][i].hidden
