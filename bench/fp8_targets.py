@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             # hidden_states[i + 1] = output of layer i; the last one is after the final norm in HF
             aux = torch.stack([out.hidden_states[i + 1][0] for i in args.aux], dim=1)  # [T, 3, H]
             final = out.hidden_states[-1][0][:, None, :]  # [T, 1, H]
-            exact_logits = final[start:, 0] @ lm_head.T  # [A, V]: the states whose next token is an answer token
+            exact_logits = final[start:, 0] @ lm_head.T  # [A, V]: the states at the answer's positions
             for storage, tally in tallies.items():
                 for states, errs in ((aux, tally.aux_rel_err), (final, tally.final_rel_err)):
                     err = (stored(states, storage) - states).norm(dim=-1) / states.norm(dim=-1)  # [T, L]
