@@ -123,10 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             final = out.hidden_states[-1][0][:, None, :]  # [T, 1, H]
             exact_logits = final[start:, 0] @ lm_head.T  # [A, V]: the states at the answer's positions
             for storage, tally in tallies.items():
-                for states, errs in ((aux, tally.aux_rel_err), (final, tally.final_rel_err)):
-                    err = (stored(states, storage) - states).norm(dim=-1) / states.norm(dim=-1)  # [T, L]
+                stored_final = stored(final, storage)  # [T, 1, H]
+                for states, back, errs in ((aux, stored(aux, storage), tally.aux_rel_err),
+                                           (final, stored_final, tally.final_rel_err)):  # fmt: skip
+                    err = (back - states).norm(dim=-1) / states.norm(dim=-1)  # [T, L]
                     errs.append(float(err[start:].mean()))
-                tally.add(exact_logits, stored(final, storage)[start:, 0] @ lm_head.T)
+                tally.add(exact_logits, stored_final[start:, 0] @ lm_head.T)
             captured = torch.cat([aux, final], dim=1).bfloat16()  # [T, aux + 1, H] as extraction captures it
             raw_bytes += captured.numel() * 2 + 9 * captured.shape[0]  # states, int64 ids, uint8 mask
             token_ids, mask = ids[0].numpy(), np.ones(ids.shape[1], np.uint8)
