@@ -159,7 +159,8 @@ class PlanSettings:
         reject_unknown_keys(settings, cls.__dataclass_fields__, "plan-storage settings")
         result = cls(**settings)
         if result.storage not in DEFAULT_COMPRESSION_RATIO:
-            raise DraftflowError(f"extract.storage: unknown mode {result.storage!r}; use one of {', '.join(DEFAULT_COMPRESSION_RATIO)}")
+            modes = ", ".join(DEFAULT_COMPRESSION_RATIO)
+            raise DraftflowError(f"extract.storage: unknown mode {result.storage!r}; use one of {modes}")
         if result.expected_compression_ratio is None:
             result = dataclasses.replace(result, expected_compression_ratio=DEFAULT_COMPRESSION_RATIO[result.storage])
         if result.dtype not in DTYPE_BYTES:
